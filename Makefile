@@ -1,0 +1,27 @@
+# The two commands of the README:  `make demo`  and  `make test`.
+# Both build the virtual environment in .venv first (torch from this machine's disk where pip has it).
+VENV := .venv
+PY := $(VENV)/bin/python
+# the venv's ninja must come first: another ninja makes DeepSpeed rebuild its CPU comm op
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: demo test lint clean
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+demo: $(VENV)/.installed
+	bash launchers/demo.sh
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf runs/toy data/toy

@@ -1,0 +1,3 @@
+from eva_fastclip.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,173 @@
+"""Command line: ``eva-fastclip <command>`` or ``python -m eva_fastclip <command>``.
+
+Under the DeepSpeed launcher: ``deepspeed --num_gpus N --module eva_fastclip train --config FILE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from eva_fastclip.config import ConfigError, batch_layout, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging()
+    try:
+        return args.func(args)
+    except (ConfigError, FileNotFoundError, ValueError) as err:
+        print(f"eva-fastclip {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eva-fastclip", description=__doc__.splitlines()[0])
+    # the deepspeed launcher passes --local_rank=N before the command; LOCAL_RANK carries the same value
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser(
+        "train", help="train a CLIP model (run under the deepspeed launcher for several ranks)"
+    )
+    _add_config_args(p)
+    p.add_argument(
+        "--resume", default=None, help="'latest' (newest complete checkpoint) or a checkpoint folder"
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="validate the configs and print the batch layout, then exit"
+    )
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="zero-shot evaluation of a checkpoint folder or an exported state dict")
+    _add_config_args(p)
+    p.add_argument(
+        "--checkpoint", required=True, help="checkpoint folder (step_XXXXXXXX) or exported .pt file"
+    )
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("export", help="write an fp32 open_clip state dict from a checkpoint folder")
+    p.add_argument("--checkpoint", required=True, help="a complete checkpoint folder, e.g. .../step_00000500")
+    p.add_argument("--output", required=True, help="output file, e.g. model.pt")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("make-shards", help="turn a folder of images and a CSV/JSONL of captions into shards")
+    p.add_argument("--images", required=True, help="folder the captions file's image paths are relative to")
+    p.add_argument("--captions", required=True, help="CSV (with header) or JSONL file")
+    p.add_argument("--output", required=True, help="output folder for shard-*.tar and manifest.json")
+    p.add_argument("--samples-per-shard", type=int, default=10000)
+    p.add_argument("--start-index", type=int, default=0, help="dataset index of the first row")
+    p.add_argument("--image-column", default="image")
+    p.add_argument("--caption-column", default="caption")
+    p.set_defaults(func=cmd_make_shards)
+
+    p = sub.add_parser("toy-data", help="write the embedded default dataset (procedurally drawn scenes)")
+    p.add_argument("--output", default="data/toy")
+    p.add_argument("--num-train", type=int, default=8192)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_toy_data)
+    return parser
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="experiment config JSON (see configs/)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set train.batch_size=32 (repeatable)",
+    )
+
+
+def cmd_train(args) -> int:
+    from eva_fastclip.engine.setup import load_deepspeed_config, resolve_deepspeed_config
+
+    cfg = load_config(args.config, args.overrides)
+    ds = load_deepspeed_config(cfg.train.deepspeed_config)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    layout = batch_layout(cfg, world_size)
+    # validated here, before any process group starts
+    import torch
+
+    resolved = resolve_deepspeed_config(
+        ds, cfg, layout, source=cfg.train.deepspeed_config, cuda=torch.cuda.is_available()
+    )
+    if args.dry_run:
+        print(
+            json.dumps(
+                {"world_size": world_size, "global_batch": layout.global_batch, "deepspeed": resolved},
+                indent=2,
+            )
+        )
+        return 0
+    from eva_fastclip.engine.trainer import Trainer
+
+    Trainer(cfg, ds, resume=args.resume).train()
+    return 0
+
+
+def cmd_eval(args) -> int:
+    import torch
+
+    from eva_fastclip.engine.evaluate import evaluate_model, format_results
+    from eva_fastclip.export import consolidated_state_dict
+    from eva_fastclip.models import create_model
+
+    cfg = load_config(args.config, args.overrides)
+    bundle = create_model(cfg.model)
+    path = Path(args.checkpoint)
+    state_dict = consolidated_state_dict(path) if path.is_dir() else torch.load(path, map_location="cpu")
+    if "logit_scale" in state_dict:
+        state_dict["logit_scale"] = state_dict["logit_scale"].reshape(bundle.model.logit_scale.shape)
+    bundle.model.load_state_dict(state_dict, strict=True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    results = evaluate_model(bundle.model.to(device), bundle, cfg.eval, device=device, dtype=torch.float32)
+    print(format_results(results))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from eva_fastclip.export import export_open_clip
+
+    print(json.dumps(export_open_clip(Path(args.checkpoint), Path(args.output)), indent=2))
+    return 0
+
+
+def cmd_make_shards(args) -> int:
+    from eva_fastclip.data import write_shards
+
+    manifest = write_shards(
+        args.images,
+        args.captions,
+        args.output,
+        samples_per_shard=args.samples_per_shard,
+        start_index=args.start_index,
+        image_column=args.image_column,
+        caption_column=args.caption_column,
+    )
+    summary = {k: manifest[k] for k in ("num_samples", "index_min", "index_max", "skipped")}
+    print(json.dumps({"output": args.output, **summary}, indent=2))
+    return 0
+
+
+def cmd_toy_data(args) -> int:
+    from eva_fastclip.data import write_toy_dataset
+
+    summary = write_toy_dataset(args.output, num_train=args.num_train, seed=args.seed)
+    print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+def _setup_logging() -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )

@@ -1,0 +1,170 @@
+"""DeepSpeed set-up: read and reconcile the DeepSpeed JSON, build the optimizer and schedule, initialize.
+
+The DeepSpeed JSON owns the engine (ZeRO stage, precision, clipping, optimizer type and betas); the
+experiment config owns what depends on the experiment (batch sizes, lr, weight decay, schedule). Keys the
+experiment owns may be "auto" in the JSON; a concrete value that disagrees stops the run before it starts.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from eva_fastclip.config import BatchLayout, ConfigError, ExperimentConfig
+from eva_fastclip.models import parameter_groups
+
+SUPPORTED_OPTIMIZERS = ("Lamb", "AdamW")
+
+
+def load_deepspeed_config(path: str | Path) -> dict[str, Any]:
+    try:
+        ds = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"train.deepspeed_config={str(path)!r} does not exist (see ds_configs/)") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"DeepSpeed config {path} is not valid JSON: {err}") from None
+    if not isinstance(ds, dict):
+        raise ConfigError(f"DeepSpeed config {path} must hold a JSON object")
+    return ds
+
+
+def resolve_deepspeed_config(
+    ds: dict[str, Any], cfg: ExperimentConfig, layout: BatchLayout, *, source: str, cuda: bool
+) -> dict[str, Any]:
+    """Fill "auto" values from the experiment config and check that everything else agrees with it."""
+    ds = copy.deepcopy(ds)
+    owned = [
+        ("train_micro_batch_size_per_gpu", layout.micro_batch, "train.batch_size"),
+        ("gradient_accumulation_steps", layout.grad_accum_steps, "train.grad_accum_steps"),
+        (
+            "train_batch_size",
+            layout.global_batch,
+            f"train.batch_size x train.grad_accum_steps x {layout.world_size} ranks",
+        ),
+    ]
+    for key, value, owner in owned:
+        _fill_or_check(ds, key, value, owner, source)
+
+    if "scheduler" in ds:
+        raise ConfigError(
+            f"{source} has a 'scheduler' section: the schedule comes from the experiment config "
+            "(optim.warmup_steps, optim.min_lr_ratio); remove the section"
+        )
+    optimizer = ds.get("optimizer")
+    if not isinstance(optimizer, dict) or optimizer.get("type") not in SUPPORTED_OPTIMIZERS:
+        raise ConfigError(
+            f"{source} needs an 'optimizer' section with type one of {SUPPORTED_OPTIMIZERS}, "
+            f'e.g. {{"type": "Lamb", "params": {{"lr": "auto", "weight_decay": "auto"}}}}'
+        )
+    params = optimizer.setdefault("params", {})
+    _fill_or_check(params, "lr", cfg.optim.lr, "optim.lr", source, prefix="optimizer.params.")
+    _fill_or_check(
+        params,
+        "weight_decay",
+        cfg.optim.weight_decay,
+        "optim.weight_decay",
+        source,
+        prefix="optimizer.params.",
+    )
+
+    fp16 = ds.get("fp16", {}).get("enabled", False)
+    bf16 = ds.get("bf16", {}).get("enabled", False)
+    if fp16 and bf16:
+        raise ConfigError(f"{source} enables both fp16 and bf16: keep one")
+    if fp16 and not cuda:
+        raise ConfigError(
+            f"{source} enables fp16, which DeepSpeed supports only on CUDA devices; on CPU use "
+            "ds_configs/zero1_bf16_lamb.json (bf16) or ds_configs/zero1_fp32_lamb.json"
+        )
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1, 2):
+        raise ConfigError(
+            f"{source} sets zero_optimization.stage={stage}; eva_fastclip supports stages 0-2 "
+            "(stage 3 partitions the weights that evaluation and the losses read whole)"
+        )
+    ds.setdefault("zero_allow_untested_optimizer", True)  # timm's LAMB on CPU is "untested" to DeepSpeed
+    return ds
+
+
+def _fill_or_check(
+    section: dict[str, Any], key: str, value: Any, owner: str, source: str, prefix: str = ""
+) -> None:
+    current = section.get(key, "auto")
+    if current == "auto":
+        section[key] = value
+    elif current != value:
+        raise ConfigError(
+            f"{source} sets {prefix}{key}={current} but the experiment config gives {value} "
+            f'({owner}): change one of them to match, or write "auto" in the DeepSpeed JSON'
+        )
+
+
+def autocast_dtype(ds: dict[str, Any]) -> torch.dtype:
+    """The dtype DeepSpeed keeps the module in (inputs are cast to it)."""
+    if ds.get("bf16", {}).get("enabled", False):
+        return torch.bfloat16
+    if ds.get("fp16", {}).get("enabled", False):
+        return torch.float16
+    return torch.float32
+
+
+def build_optimizer(ds: dict[str, Any], model: nn.Module, *, cuda: bool) -> torch.optim.Optimizer:
+    """LAMB / AdamW over our parameter groups: DeepSpeed's fused kernels on CUDA, PyTorch ones on CPU."""
+    kind = ds["optimizer"]["type"]
+    params = dict(ds["optimizer"]["params"])
+    groups = parameter_groups(model, weight_decay=params.pop("weight_decay"))
+    betas = tuple(params.pop("betas", (0.9, 0.98)))
+    lr, eps = params.pop("lr"), params.pop("eps", 1e-6)
+    if params:
+        raise ConfigError(f"optimizer.params has keys eva_fastclip does not pass on: {sorted(params)}")
+    if kind == "Lamb":
+        if cuda:
+            from deepspeed.ops.lamb import FusedLamb
+
+            return FusedLamb(groups, lr=lr, betas=betas, eps=eps)
+        from timm.optim import Lamb
+
+        # DeepSpeed already clips the global gradient norm (gradient_clipping): no second clip inside LAMB
+        return Lamb(groups, lr=lr, betas=betas, eps=eps, max_grad_norm=None)
+    if cuda:
+        from deepspeed.ops.adam import FusedAdam
+
+        return FusedAdam(groups, lr=lr, betas=betas, eps=eps, adam_w_mode=True)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+
+
+def warmup_cosine(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
+    """lr multiplier for optimizer step ``step`` (0-based): linear warm-up to 1, then cosine to min_ratio."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ExperimentConfig, total_steps: int):
+    """The warm-up + cosine schedule, applied to each group's own peak lr (so per-group ratios hold)."""
+    schedule = functools.partial(
+        warmup_cosine, warmup=cfg.optim.warmup_steps, total=total_steps, min_ratio=cfg.optim.min_lr_ratio
+    )
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def initialize_engine(model: nn.Module, cfg: ExperimentConfig, ds: dict[str, Any], total_steps: int):
+    """``deepspeed.initialize`` with our optimizer and schedule; returns the engine."""
+    import deepspeed
+
+    cuda = torch.cuda.is_available()
+    optimizer = build_optimizer(ds, model, cuda=cuda)
+    scheduler = build_scheduler(optimizer, cfg, total_steps)
+    engine_config = {k: v for k, v in ds.items() if k != "optimizer"}
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=engine_config
+    )
+    return engine

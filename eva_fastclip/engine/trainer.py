@@ -1,0 +1,293 @@
+"""The training loop: set-up in a fixed order, then ``train()`` over ``train_step()``.
+
+Set-up order: seed → config (validated before we get here) → process group → model → loss → engine →
+data → resume. One "step" is one optimizer step (``train.grad_accum_steps`` micro-batches).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from eva_fastclip.config import ExperimentConfig, batch_layout
+from eva_fastclip.data import TrainLoader
+from eva_fastclip.engine import checkpoint
+from eva_fastclip.engine.evaluate import evaluate_model, format_results
+from eva_fastclip.engine.setup import autocast_dtype, initialize_engine, resolve_deepspeed_config
+from eva_fastclip.losses import Gatherer, build_loss
+from eva_fastclip.models import create_model
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    def __init__(self, cfg: ExperimentConfig, ds_config: dict[str, Any], resume: str | None = None) -> None:
+        self.cfg = cfg
+        seed_everything(cfg.train.seed)
+        self.rank, self.world_size, self.device = init_process_group()
+        self.is_main = self.rank == 0
+        self.output_dir = Path(cfg.train.output_dir)
+        self.checkpoint_root = self.output_dir / "checkpoints"
+
+        bundle = create_model(cfg.model, temperature_init=cfg.loss.temperature_init)
+        bundle.model.logit_scale.requires_grad_(cfg.loss.learn_temperature)
+        self.bundle = bundle
+        self.loss = build_loss(cfg.loss.name, Gatherer.from_process_group())
+
+        layout = batch_layout(cfg, self.world_size)
+        self.loader = TrainLoader(
+            cfg.data.train_shards,
+            preprocess=bundle.preprocess_train,
+            tokenize=bundle.tokenizer,
+            batch_size=layout.micro_batch,
+            rank=self.rank,
+            world_size=self.world_size,
+            seed=cfg.train.seed,
+            resampled=cfg.data.resampled,
+            weights=cfg.data.train_weights,
+            num_samples=cfg.data.num_samples,
+            shuffle_buffer=cfg.data.shuffle_buffer,
+            workers=cfg.data.workers,
+            index_key=cfg.data.index_key,
+        )
+        self.steps_per_epoch = self.loader.num_batches // layout.grad_accum_steps
+        if self.steps_per_epoch < 1:
+            raise ValueError(
+                f"one epoch has {self.loader.num_batches} micro-batches per rank, fewer than "
+                f"train.grad_accum_steps={layout.grad_accum_steps}: lower the batch size or accumulation"
+            )
+        self.total_steps = cfg.train.steps or cfg.train.epochs * self.steps_per_epoch
+        self.layout = layout
+
+        ds = resolve_deepspeed_config(
+            ds_config, cfg, layout, source=cfg.train.deepspeed_config, cuda=torch.cuda.is_available()
+        )
+        self.input_dtype = autocast_dtype(ds)
+        self.engine = initialize_engine(bundle.model, cfg, ds, self.total_steps)
+
+        self.step, self.epoch, self.micro_in_epoch = 0, 0, 0
+        folder = checkpoint.resolve_resume(resume, self.checkpoint_root)
+        if folder is not None:
+            self._restore(checkpoint.load_checkpoint(self.engine, folder), folder)
+        elif resume is not None:
+            log.info("no complete checkpoint under %s yet: starting from scratch", self.checkpoint_root)
+
+        self.writer = None
+        if self.is_main:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.output_dir / "tensorboard"))
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+
+    # ---- the loop ------------------------------------------------------------------------------------
+
+    def train(self) -> dict[str, float]:
+        cfg = self.cfg.train
+        progress = self._progress_bar()
+        window_start, window_steps = time.perf_counter(), 0
+        while self.step < self.total_steps:
+            for images, tokens, indices in self._epoch_batches():
+                metrics = self.train_step(images, tokens, indices)
+                if metrics is None:  # accumulating: no optimizer step yet
+                    continue
+                self.step += 1
+                window_steps += 1
+                progress.update(1)
+                progress.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
+                if self.step % cfg.log_every_steps == 0 or self.step == self.total_steps:
+                    elapsed = time.perf_counter() - window_start
+                    metrics["samples_per_second"] = window_steps * self.layout.global_batch / elapsed
+                    self._log(metrics)
+                    window_start, window_steps = time.perf_counter(), 0
+                if self.cfg.eval.every_steps and self.step % self.cfg.eval.every_steps == 0:
+                    self.evaluate()
+                if cfg.save_every_steps and self.step % cfg.save_every_steps == 0:
+                    self.save()
+                if self.step >= self.total_steps:
+                    break
+            else:  # the epoch ran to its end
+                self.epoch, self.micro_in_epoch = self.epoch + 1, 0
+        progress.close()
+        if not checkpoint.is_complete(self.checkpoint_root / checkpoint.tag_for_step(self.step)):
+            self.save()
+        return self.evaluate(final=True)
+
+    def train_step(self, images, tokens, indices) -> dict[str, float] | None:
+        """One micro-batch; returns metrics when it completed an optimizer step, else None."""
+        engine = self.engine
+        images = images.to(self.device, dtype=self.input_dtype, non_blocking=True)
+        tokens = tokens.to(self.device, non_blocking=True)
+        image_features, text_features, logit_scale = engine(images, tokens)[:3]
+        # the loss runs in fp32 whatever the module's precision: logits of a large batch need the range
+        out = self.loss(
+            image_features.float(), text_features.float(), logit_scale.float(), indices.to(self.device)
+        )
+        engine.backward(out.loss)
+        boundary = engine.is_gradient_accumulation_boundary()
+        engine.step()
+        self.micro_in_epoch += 1
+        if not boundary:
+            return None
+        # DeepSpeed's global_steps advances even on a skipped step: ask whether it was really applied
+        if engine.was_step_applied():
+            self.loss.on_step_applied()
+            if self.loss.logit_scale_bounds is not None and self.bundle.model.logit_scale.requires_grad:
+                clamp_parameter_(self.bundle.model.logit_scale, *self.loss.logit_scale_bounds)
+        else:
+            self.loss.on_step_skipped()
+        return {**out.metrics, "loss": out.loss.item(), "step_applied": float(engine.was_step_applied())}
+
+    # ---- pieces --------------------------------------------------------------------------------------
+
+    def _epoch_batches(self):
+        """This epoch's remaining micro-batches. A resumed epoch draws its remaining batches from a stream
+        seeded by (epoch, batches done), so it does not repeat the start of the epoch."""
+        start = self.micro_in_epoch
+        self.loader.set_epoch(self.epoch if start == 0 else self.epoch * 1_000_003 + start)
+        for i, batch in enumerate(self.loader):
+            if i >= self.loader.num_batches - start:
+                break
+            yield batch
+
+    def save(self) -> Path:
+        state = {
+            "step": self.step,
+            "epoch": self.epoch,
+            "micro_in_epoch": self.micro_in_epoch,
+            "world_size": self.world_size,
+            "config": self.cfg.to_dict(),
+            "loss_state": self.loss.state_dict(),
+        }
+        folder = checkpoint.save_checkpoint(
+            self.engine, self.checkpoint_root, self.step, state, keep=self.cfg.train.keep_checkpoints
+        )
+        if self.is_main:
+            log.info("saved checkpoint %s", folder)
+        return folder
+
+    def _restore(self, state: dict[str, Any], folder: Path) -> None:
+        self.step, self.epoch, self.micro_in_epoch = state["step"], state["epoch"], state["micro_in_epoch"]
+        self.loss.load_state_dict(state.get("loss_state", {}))
+        if self.is_main:
+            log.info("resumed from %s at step %d (epoch %d)", folder, self.step, self.epoch)
+
+    def evaluate(self, final: bool = False) -> dict[str, float]:
+        """Zero-shot classification and retrieval on rank 0 (the others wait); weights are whole on every
+        rank under ZeRO stages 0-2."""
+        results: dict[str, float] = {}
+        if self.is_main and (self.cfg.eval.zeroshot_dir or self.cfg.eval.retrieval_shards):
+            results = evaluate_model(
+                self.engine.module, self.bundle, self.cfg.eval, device=self.device, dtype=self.input_dtype
+            )
+            self._log({f"eval/{k}": v for k, v in results.items()}, prefix="")
+            if final:
+                print(format_results(results), flush=True)
+                summary = {"step": self.step, **results}
+                (self.output_dir / "final_metrics.json").write_text(json.dumps(summary, indent=2))
+        if dist.is_initialized():
+            dist.barrier()
+        return results
+
+    def _log(self, metrics: dict[str, float], prefix: str = "train/") -> None:
+        if not self.is_main:
+            return
+        if prefix == "train/":
+            for group in self.engine.optimizer.param_groups:
+                metrics[f"lr/{group.get('name', 'group')}"] = group["lr"]
+            metrics["memory_gib"] = memory_in_use_gib()
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self.writer.add_scalar(prefix + key, value, self.step)
+        self.writer.flush()
+
+    def _progress_bar(self):
+        from tqdm import tqdm
+
+        return tqdm(
+            total=self.total_steps,
+            initial=self.step,
+            disable=not self.is_main,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+        )
+
+
+# ---- process-level helpers ---------------------------------------------------------------------------
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def init_process_group() -> tuple[int, int, torch.device]:
+    """Start (or join) DeepSpeed's process group; returns (rank, world size, this rank's device)."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu":
+        # ranks on one machine share its cores: without this each rank starts one thread per core
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    _default_rendezvous_env()
+    deepspeed.init_distributed()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if accelerator.device_name() != "cpu":
+        accelerator.set_device(local_rank)
+    device = torch.device(
+        accelerator.device_name(local_rank) if accelerator.device_name() != "cpu" else "cpu"
+    )
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def _default_rendezvous_env() -> None:
+    """Let ``eva-fastclip train`` run as one process without the launcher."""
+    for key, value in (
+        ("RANK", "0"),
+        ("LOCAL_RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29511"),
+    ):
+        os.environ.setdefault(key, value)
+
+
+def clamp_parameter_(param: torch.nn.Parameter, low: float, high: float) -> None:
+    """Clamp a parameter in place, including the fp32 master copy that ZeRO keeps for it.
+
+    All ranks must call this (reading the master copy is a collective under ZeRO 1/2).
+    """
+    from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+
+    master = safe_get_full_fp32_param(param)
+    if master is None:  # no ZeRO wrapper: the parameter is its own master
+        with torch.no_grad():
+            param.clamp_(low, high)
+        return
+    if master.min() < low or master.max() > high:
+        clamped = master.clamp(low, high)
+        safe_set_full_fp32_param(param, clamped)
+        with torch.no_grad():
+            param.copy_(clamped.to(param.dtype))
+
+
+def memory_in_use_gib() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**30

@@ -1,0 +1,49 @@
+"""Export a training checkpoint as an fp32 open_clip state dict, loadable by open_clip.create_model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eva_fastclip.engine import checkpoint
+from eva_fastclip.models import to_open_clip_state_dict
+
+
+def read_client_state(folder: Path) -> dict[str, Any]:
+    """Our client state (step, config, ...) from a DeepSpeed checkpoint folder, read without an engine."""
+    states = sorted(folder.glob("mp_rank_*_model_states.pt"))
+    if not states:
+        raise FileNotFoundError(f"{folder} holds no DeepSpeed model states (mp_rank_*_model_states.pt)")
+    return torch.load(states[0], map_location="cpu", weights_only=False)
+
+
+def consolidated_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    """The fp32 weights of a complete checkpoint, merged from the ZeRO partitions of every rank."""
+    if not checkpoint.is_complete(folder):
+        raise ValueError(f"{folder} has no {checkpoint.MARKER}: its save never finished; pick a complete one")
+    state = read_client_state(folder)
+    if state.get("ds_config", {}).get("zero_optimization", {}).get("stage", 0) == 0:
+        return {k: v.float() for k, v in state["module"].items()}  # stage 0: the module is stored whole
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
+
+
+def export_open_clip(folder: Path, output: Path, verify: bool = True) -> dict[str, Any]:
+    """Write ``output`` (atomically) and, with ``verify``, load it back into open_clip with strict keys."""
+    state_dict = to_open_clip_state_dict(consolidated_state_dict(folder))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(output.name + ".tmp")
+    torch.save(state_dict, tmp)
+    os.replace(tmp, output)
+    arch = read_client_state(folder)["config"]["model"]["name"]
+    if verify:
+        import open_clip
+
+        import eva_fastclip.models  # noqa: F401  (registers the shipped architectures)
+
+        open_clip.create_model(arch, pretrained=str(output))  # strict load: raises on any unmatched key
+    return {"output": str(output), "architecture": arch, "tensors": len(state_dict)}

@@ -1,0 +1,56 @@
+"""The contract between a contrastive loss and the trainer.
+
+A loss turns this rank's L2-normalised features (and their dataset indices) into a scalar to backprop.
+Losses that keep per-sample state (the compositional family) *stage* updates in ``forward`` and make them
+permanent in ``on_step_applied``; the trainer calls it only when the engine really applied the optimizer
+step (``engine.was_step_applied()``), and calls ``on_step_skipped`` otherwise (fp16 overflow, non-finite
+gradients), so a skipped step leaves every piece of state exactly as it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from eva_fastclip.losses.gather import Gatherer
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor
+    """Scalar to backpropagate (a surrogate for the compositional losses)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Detached values worth logging (the objective's value, temperature, state statistics)."""
+
+
+class ContrastiveLoss(nn.Module):
+    """Base class: subclasses implement ``forward``; the hooks default to stateless no-ops.
+
+    ``forward`` takes open_clip's outputs as they come: L2-normalised features and ``logit_scale``, the
+    multiplier 1/tau (already exponentiated), plus the pairs' dataset indices.
+    """
+
+    #: bounds (low, high) the trainer keeps the model's parameter log(1/tau) inside after each applied step;
+    #: None when the loss does not learn a global temperature through the model.
+    logit_scale_bounds: tuple[float, float] | None = None
+
+    def __init__(self, gatherer: Gatherer | None = None) -> None:
+        super().__init__()
+        self.gatherer = gatherer or Gatherer()
+
+    def forward(
+        self,
+        image_features: torch.Tensor,
+        text_features: torch.Tensor,
+        logit_scale: torch.Tensor,
+        indices: torch.Tensor,
+    ) -> LossOutput:
+        raise NotImplementedError
+
+    def on_step_applied(self) -> None:
+        """Commit what ``forward`` staged: the optimizer step it contributed to was applied."""
+
+    def on_step_skipped(self) -> None:
+        """Discard what ``forward`` staged: the engine skipped the optimizer step."""

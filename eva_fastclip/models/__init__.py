@@ -1,0 +1,17 @@
+"""Models: open_clip architectures (and the tiny ones shipped here), parameter groups."""
+
+from eva_fastclip.models.factory import (
+    ModelBundle,
+    create_model,
+    make_logit_scale_1d,
+    to_open_clip_state_dict,
+)
+from eva_fastclip.models.param_groups import parameter_groups
+
+__all__ = [
+    "ModelBundle",
+    "create_model",
+    "make_logit_scale_1d",
+    "parameter_groups",
+    "to_open_clip_state_dict",
+]

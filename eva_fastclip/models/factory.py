@@ -1,0 +1,64 @@
+"""Build open_clip models, transforms and tokenizers from a ModelConfig, from local files only."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import open_clip
+import torch
+from torch import nn
+
+from eva_fastclip.config import ModelConfig
+
+SHIPPED_CONFIGS = Path(__file__).parent / "configs"
+open_clip.add_model_config(SHIPPED_CONFIGS)  # makes the tiny test/demo architectures known by name
+
+
+@dataclass
+class ModelBundle:
+    model: nn.Module
+    preprocess_train: Callable
+    preprocess_eval: Callable
+    tokenizer: Callable
+
+
+def create_model(cfg: ModelConfig, *, temperature_init: float = 0.07) -> ModelBundle:
+    """The open_clip model ``cfg.name`` with patch dropout, checkpointing and a 1-element logit_scale."""
+    if cfg.name not in open_clip.list_models():
+        raise ValueError(
+            f"model.name={cfg.name!r} is not an open_clip architecture; known names include "
+            f"{', '.join(open_clip.list_models()[:8])}, ... (open_clip.list_models() lists all)"
+        )
+    model, preprocess_train, preprocess_eval = open_clip.create_model_and_transforms(
+        cfg.name,
+        pretrained=cfg.pretrained,  # a local file or None (checked by ModelConfig): never a download tag
+        force_patch_dropout=cfg.patch_dropout,
+        pretrained_text=False,  # HF text towers would otherwise fetch weights from the hub
+    )
+    if cfg.pretrained is None:
+        with torch.no_grad():
+            model.logit_scale.fill_(math.log(1.0 / temperature_init))
+    make_logit_scale_1d(model)
+    model.set_grad_checkpointing(cfg.grad_checkpointing)
+    return ModelBundle(model, preprocess_train, preprocess_eval, open_clip.get_tokenizer(cfg.name))
+
+
+def make_logit_scale_1d(model: nn.Module) -> None:
+    """Give open_clip's 0-dim logit_scale the shape [1]: DeepSpeed 0.19.8 cannot broadcast 0-dim params.
+
+    ``export`` reshapes it back, and open_clip's own loader accepts either shape.
+    """
+    scale = model.logit_scale
+    if scale.ndim == 0:
+        model.logit_scale = nn.Parameter(scale.detach().reshape(1), requires_grad=scale.requires_grad)
+
+
+def to_open_clip_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our training state dict in open_clip's own format (fp32, 0-dim logit_scale)."""
+    out = {k: v.detach().float().cpu() for k, v in state_dict.items()}
+    if "logit_scale" in out:
+        out["logit_scale"] = out["logit_scale"].reshape(())
+    return out

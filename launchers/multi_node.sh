@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Several machines listed in a hostfile (see hostfile.example and launchers/README.md), started from one of
+# them, which DeepSpeed reaches the others from over passwordless ssh (pdsh by default):
+#   HOSTFILE=launchers/hostfile MASTER_ADDR=10.0.0.1 launchers/multi_node.sh CONFIG.json [options]
+set -euo pipefail
+config=${1:?usage: multi_node.sh CONFIG.json [eva-fastclip train options]}
+shift
+: "${HOSTFILE:?set HOSTFILE to a DeepSpeed hostfile}"
+: "${MASTER_ADDR:?set MASTER_ADDR to an address of the first host that every host can reach}"
+# PATH is not forwarded to the other nodes (only PYTHON*, NCCL*, ... and what .deepspeed_env lists):
+# record it so the remote ranks find the same python, deepspeed and ninja.
+grep -q '^PATH=' .deepspeed_env 2>/dev/null || echo "PATH=$PATH" >> .deepspeed_env
+exec deepspeed --hostfile "$HOSTFILE" --master_addr "$MASTER_ADDR" --master_port "${MASTER_PORT:-29500}" \
+    --module eva_fastclip train --config "$config" "$@"

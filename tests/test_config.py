@@ -1,0 +1,64 @@
+import json
+
+import pytest
+
+from eva_fastclip.config import BatchLayout, ConfigError, ExperimentConfig, load_config
+
+
+def write(tmp_path, payload):
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(payload))
+    return path
+
+
+def test_defaults_and_overrides(tmp_path):
+    path = write(tmp_path, {"train": {"batch_size": 32}, "optim": {"lr": 2}})
+    cfg = load_config(
+        path, ["train.grad_accum_steps=4", "model.name=ViT-B-16", 'data.train_shards=["a","b"]']
+    )
+    assert isinstance(cfg, ExperimentConfig)
+    assert cfg.train.batch_size == 32 and cfg.train.grad_accum_steps == 4
+    assert cfg.optim.lr == 2.0 and isinstance(cfg.optim.lr, float)  # ints are accepted where floats are asked
+    assert cfg.model.name == "ViT-B-16"  # a bare string needs no JSON quotes on the command line
+    assert cfg.data.train_shards == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    "payload, message",
+    [
+        ({"train": {"batch_sise": 3}}, "'train.batch_sise' (did you mean 'train.batch_size'?)"),
+        ({"nonsense": {}}, "unknown config key 'nonsense'"),
+        ({"train": {"batch_size": "64"}}, "'train.batch_size' must be int"),
+        ({"train": {"batch_size": True}}, "'train.batch_size' must be int"),
+        ({"train": {"batch_size": 0}}, "train.batch_size must be > 0"),
+        ({"data": {"train_shards": "x"}}, "'data.train_shards' must be a list"),
+        ({"data": {"train_shards": [1]}}, "'data.train_shards[0]' must be str"),
+        ({"model": {"patch_dropout": 1.5}}, "model.patch_dropout must be in [0, 1)"),
+        ({"model": {"pretrained": "laion2b_s34b_b88k"}}, "never downloads"),
+        ({"loss": {"name": "nope"}}, "loss.name='nope' is unknown"),
+        ({"data": {"train_weights": [1.0, 2.0]}}, "one weight per source"),
+        ({"data": {"train_shards": ["a"], "train_weights": [1.0]}}, "needs data.resampled=true"),
+        ({"train": []}, "train must be a JSON object"),
+    ],
+)
+def test_rejects_bad_values_naming_the_key(tmp_path, payload, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, payload))
+    assert message in str(err.value)
+
+
+def test_bad_files_and_overrides(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="must look like section.key=value"):
+        load_config(None, ["train.batch_size"])
+
+
+def test_batch_layout():
+    layout = BatchLayout(micro_batch=16, grad_accum_steps=4, world_size=8)
+    assert layout.global_batch == 512
+    assert layout.samples_per_forward == 128

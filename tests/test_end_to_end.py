@@ -1,0 +1,131 @@
+"""Two ranks through the real ``deepspeed`` launcher on CPU: train, checkpoint, resume, evaluate, export.
+
+Two launches in all (~1 minute each on 2 cores), shared by every test in this module.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import open_clip
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from eva_fastclip.data import write_toy_dataset
+from eva_fastclip.engine import checkpoint
+from eva_fastclip.engine.setup import warmup_cosine
+from eva_fastclip.export import export_open_clip
+
+pytestmark = pytest.mark.launcher
+
+REPO = Path(__file__).parents[1]
+FIRST_STEPS, TOTAL_STEPS = 30, 40
+
+
+def launch(args: list[str], tmp: Path, name: str) -> str:
+    """Run ``deepspeed --num_gpus 2 --module eva_fastclip ...``; fail with the log if it fails."""
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONUNBUFFERED": "1"}
+    cmd = [
+        str(bin_dir / "deepspeed"),
+        "--num_gpus",
+        "2",
+        "--master_port",
+        "29533",
+        "--module",
+        "eva_fastclip",
+    ]
+    result = subprocess.run(cmd + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    log = result.stdout + result.stderr
+    (tmp / f"{name}.log").write_text(log)
+    assert result.returncode == 0, f"launch failed ({name}):\n{log[-6000:]}"
+    return log
+
+
+def scalars(run_dir: Path, tag: str) -> dict[int, float]:
+    values = {}
+    for events in sorted((run_dir / "tensorboard").glob("events.*")):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        if tag in acc.Tags()["scalars"]:
+            values.update({e.step: e.value for e in acc.Scalars(tag)})
+    return values
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("e2e")
+    data = tmp / "toy"
+    write_toy_dataset(data, num_train=2048, num_val=128, num_zeroshot=160, samples_per_shard=256, seed=0)
+    out = tmp / "run"
+    common = [
+        "train",
+        "--config",
+        "configs/toy.json",
+        "--set",
+        "model.name=test-vit-xs",
+        "--set",
+        f'data.train_shards=["{data / "train"}"]',
+        "--set",
+        "data.workers=1",
+        "--set",
+        f"eval.zeroshot_dir={data / 'zeroshot'}",
+        "--set",
+        f'eval.retrieval_shards=["{data / "val"}"]',
+        "--set",
+        "train.batch_size=16",
+        "--set",
+        f"train.output_dir={out}",
+        "--set",
+        "train.save_every_steps=10",
+        "--set",
+        "train.log_every_steps=1",
+        "--set",
+        "optim.warmup_steps=5",
+    ]
+    first = launch(common + ["--set", f"train.steps={FIRST_STEPS}"], tmp, "first")
+    losses_first = scalars(out, "train/loss")
+    second = launch(common + ["--set", f"train.steps={TOTAL_STEPS}", "--resume", "latest"], tmp, "second")
+    return {"tmp": tmp, "out": out, "data": data, "logs": (first, second), "losses_first": losses_first}
+
+
+def test_loss_falls_and_evaluation_prints_beside_chance(run):
+    losses = run["losses_first"]
+    assert sorted(losses) == list(range(1, FIRST_STEPS + 1))
+    early = sum(losses[s] for s in range(1, 6)) / 5
+    late = sum(losses[s] for s in range(FIRST_STEPS - 4, FIRST_STEPS + 1)) / 5
+    assert late < early - 0.1, f"loss did not fall: first steps {early:.3f}, last steps {late:.3f}"
+    assert "zero-shot top1" in run["logs"][0] and "chance" in run["logs"][0]
+    metrics = json.loads((run["out"] / "final_metrics.json").read_text())
+    assert metrics["step"] == TOTAL_STEPS
+    assert metrics["zeroshot_num_samples"] == 160 and metrics["retrieval_num_samples"] == 128
+    assert 0.0 <= metrics["zeroshot_top1"] <= 1.0
+
+
+def test_resume_continues_from_the_saved_step(run):
+    assert "resumed from" in run["logs"][1] and "step_00000030" in run["logs"][1]
+    steps = sorted(scalars(run["out"], "train/loss"))
+    assert steps == list(range(1, TOTAL_STEPS + 1))  # the second run logged 31..40, nothing twice
+    kept = [p.name for p in checkpoint.complete_checkpoints(run["out"] / "checkpoints")]
+    assert kept == ["step_00000030", "step_00000040"]  # keep_checkpoints=2
+    # logged after step s: the lr of the next step, schedule(s); the resumed run went on along the
+    # schedule of its own length instead of warming up again
+    lrs = scalars(run["out"], "train/lr/decay")
+    for step in (31, 35, 39):
+        assert lrs[step] == pytest.approx(
+            1e-3 * warmup_cosine(step, warmup=5, total=40, min_ratio=0.0), rel=1e-4
+        )
+
+
+def test_export_loads_into_open_clip_with_every_key(run):
+    folder = run["out"] / "checkpoints" / "step_00000040"
+    target = run["tmp"] / "exported.pt"
+    summary = export_open_clip(folder, target)  # verifies a strict open_clip load itself
+    assert summary["architecture"] == "test-vit-xs"
+    model = open_clip.create_model("test-vit-xs", pretrained=str(target))
+    state = torch.load(target)
+    assert state["logit_scale"].ndim == 0  # open_clip's own shape
+    torch.testing.assert_close(model.state_dict()["visual.conv1.weight"], state["visual.conv1.weight"])
