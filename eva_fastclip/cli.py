@@ -42,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dry-run", action="store_true", help="validate the configs and print the batch layout, then exit"
     )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="ranks to validate for with --dry-run (default: WORLD_SIZE from the launcher, else 1)",
+    )
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="zero-shot evaluation of a checkpoint folder or an exported state dict")
@@ -71,6 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-train", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_toy_data)
+
+    p = sub.add_parser(
+        "bench-speed", help="time our training step against OpenCLIP's, with and without 50%% masking"
+    )
+    p.add_argument("--model", default="ViT-B-16", help="open_clip architecture for both contestants")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=5, help="timed rounds (one step of each contestant each)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per contestant first")
+    p.add_argument("--deepspeed-config", default="ds_configs/zero1_bf16_lamb.json", help="our engine's JSON")
+    p.add_argument("--output", default="runs/bench/speed.json", help="JSON file for all step times")
+    p.set_defaults(func=cmd_bench_speed)
     return parser
 
 
@@ -91,7 +108,7 @@ def cmd_train(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     ds = load_deepspeed_config(cfg.train.deepspeed_config)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     layout = batch_layout(cfg, world_size)
     # validated here, before any process group starts
     import torch
@@ -162,6 +179,22 @@ def cmd_toy_data(args) -> int:
 
     summary = write_toy_dataset(args.output, num_train=args.num_train, seed=args.seed)
     print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+def cmd_bench_speed(args) -> int:
+    from eva_fastclip.bench import format_report, run_speed_benchmark
+
+    results = run_speed_benchmark(
+        model=args.model,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        warmup=args.warmup,
+        ds_config=args.deepspeed_config,
+        output=args.output,
+    )
+    print(format_report(results), flush=True)
+    print(f"full results: {results['output']}", flush=True)
     return 0
 
 

@@ -62,3 +62,13 @@ def test_batch_layout():
     layout = BatchLayout(micro_batch=16, grad_accum_steps=4, world_size=8)
     assert layout.global_batch == 512
     assert layout.samples_per_forward == 128
+
+
+def test_dry_run_validates_for_a_world_size(capsys):
+    from eva_fastclip.cli import main
+
+    assert main(["train", "--config", "configs/toy.json", "--dry-run", "--world-size", "4"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["global_batch"] == 4 * 64 and printed["deepspeed"]["train_batch_size"] == 256
+    assert main(["train", "--config", "configs/toy.json", "--set", "train.batch_sise=3", "--dry-run"]) == 2
+    assert "did you mean 'train.batch_size'" in capsys.readouterr().err

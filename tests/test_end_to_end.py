@@ -14,6 +14,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from eva_fastclip.cli import main
 from eva_fastclip.data import write_toy_dataset
 from eva_fastclip.engine import checkpoint
 from eva_fastclip.engine.setup import warmup_cosine
@@ -129,3 +130,26 @@ def test_export_loads_into_open_clip_with_every_key(run):
     state = torch.load(target)
     assert state["logit_scale"].ndim == 0  # open_clip's own shape
     torch.testing.assert_close(model.state_dict()["visual.conv1.weight"], state["visual.conv1.weight"])
+
+
+def test_eval_command_on_the_export_and_the_checkpoint(run, capsys):
+    data = run["data"]
+    args = [
+        "--config",
+        "configs/toy.json",
+        "--set",
+        "model.name=test-vit-xs",
+        "--set",
+        f"eval.zeroshot_dir={data / 'zeroshot'}",
+        "--set",
+        f'eval.retrieval_shards=["{data / "val"}"]',
+    ]
+    folder = run["out"] / "checkpoints" / "step_00000040"
+    assert main(["eval", *args, "--checkpoint", str(folder)]) == 0
+    from_checkpoint = capsys.readouterr().out
+    export_open_clip(folder, run["tmp"] / "for_eval.pt")
+    assert main(["eval", *args, "--checkpoint", str(run["tmp"] / "for_eval.pt")]) == 0
+    from_export = capsys.readouterr().out
+    assert "zero-shot top1 (160 images)" in from_export
+    # the same weights give the same figures, whichever form they come in
+    assert from_export.splitlines()[-6:] == from_checkpoint.splitlines()[-6:]

@@ -31,7 +31,11 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, cfg: ExperimentConfig, ds_config: dict[str, Any], resume: str | None = None) -> None:
+    def __init__(
+        self, cfg: ExperimentConfig, ds_config: dict[str, Any], resume: str | None = None, loader=None
+    ) -> None:
+        """``loader`` replaces the webdataset loader (benchmarks, tests): an iterable of (images, tokens,
+        indices) with ``num_batches`` and ``set_epoch``."""
         self.cfg = cfg
         seed_everything(cfg.train.seed)
         self.rank, self.world_size, self.device = init_process_group()
@@ -45,7 +49,7 @@ class Trainer:
         self.loss = build_loss(cfg.loss.name, Gatherer.from_process_group())
 
         layout = batch_layout(cfg, self.world_size)
-        self.loader = TrainLoader(
+        self.loader = loader or TrainLoader(
             cfg.data.train_shards,
             preprocess=bundle.preprocess_train,
             tokenize=bundle.tokenizer,
