@@ -77,18 +77,134 @@ class DataConfig:
             _positive("data.num_samples", self.num_samples)
 
 
+#: Each loss's defaults (SPEC.md, FastCLIP's scripts); a LossConfig key left null takes these.
+#: temperature_rule: fixed | learnable (through the loss, OpenCLIP / v0) | rgcl_g (v3) |
+#: individual_adam (v2) | individual_momentum (iSogCLR).
+LOSS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "openclip": {"temperature_rule": "learnable", "temperature_init": 0.07},
+    "sogclr": {
+        "temperature_rule": "fixed",
+        "temperature_init": 0.07,
+        "gamma_schedule": "constant",
+        "gamma_min": 0.9,
+    },
+    "fastclip_v0": {"temperature_rule": "learnable", "temperature_init": 0.07},
+    "fastclip_v1": {"temperature_rule": "fixed", "temperature_init": 0.07},
+    "fastclip_v2": {
+        "temperature_rule": "individual_adam",
+        "temperature_init": 0.03,
+        "temperature_lr": 0.0133,
+        "rho": 7.0,
+    },
+    "fastclip_v3": {
+        "temperature_rule": "rgcl_g",
+        "temperature_init": 0.07,
+        "temperature_lr": 2e-4,
+        "temperature_lr_drop_below": 0.03,
+        "rho": 6.5,
+    },
+    "isogclr": {
+        "temperature_rule": "individual_momentum",
+        "temperature_init": 0.03,
+        "temperature_lr": 0.03,
+        "rho": 7.0,
+        "gamma_schedule": "constant",
+        "gamma_min": 0.9,
+    },
+}
+#: Defaults shared by the compositional losses (every name but "openclip").
+_COMPOSITIONAL_DEFAULTS: dict[str, Any] = {
+    "gamma_schedule": "cosine",
+    "gamma_min": 0.2,
+    "eps": 1e-14,
+}
+TEMPERATURE_RULES = ("fixed", "learnable", "rgcl_g", "individual_adam", "individual_momentum")
+
+
 @dataclass(kw_only=True, slots=True)
 class LossConfig:
     name: str = "openclip"
-    """Loss registered in eva_fastclip.losses (see `eva-fastclip train --help` or docs/configuration.md)."""
-    temperature_init: float = 0.07
-    """Initial temperature tau (the model's logit_scale starts at log(1/tau))."""
-    learn_temperature: bool = True
-    """Learn the global temperature through the loss (OpenCLIP); false keeps it fixed."""
+    """openclip, sogclr, isogclr, fastclip_v0, fastclip_v1, fastclip_v2 or fastclip_v3 (docs/losses.md)."""
+    temperature_rule: str | None = None
+    """fixed, learnable, rgcl_g, individual_adam or individual_momentum; null: the loss's own rule."""
+    temperature_init: float | None = None
+    """Initial temperature tau (global, or every sample's for the individual rules)."""
+    temperature_min: float = 0.01
+    """Lower bound of tau (the global one is kept in [min, max] after every applied step)."""
+    temperature_max: float = 1.0
+    """Upper bound of tau."""
+    temperature_lr: float | None = None
+    """lr of tau: its own constant-lr group (rgcl_g) or the per-sample step (individual rules); null for
+    `learnable`: tau shares the model's lr and schedule (FastCLIP-v0: lr_tau = lr)."""
+    temperature_lr_drop_below: float | None = None
+    """rgcl_g: once tau <= this value, tau's lr is multiplied by temperature_lr_drop_factor (once)."""
+    temperature_lr_drop_factor: float = 1.0 / 3.0
+    """rgcl_g: factor of the one-time lr drop."""
+    temperature_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """individual_adam: Adam's (beta1, beta2) for the per-sample tau."""
+    temperature_momentum: float = 0.5
+    """individual_momentum: m <- momentum*m + (1-momentum)*grad (iSogCLR)."""
+    temperature_grad_clip: float = 5.0
+    """Individual rules: per-sample tau gradients are clamped to [-clip, clip]."""
+    gamma_schedule: str | None = None
+    """Inner rate gamma of the u estimators: "cosine" (1 -> gamma_min over gamma_decay_epochs) or
+    "constant" (gamma_min); gamma is 1 in the first epoch either way."""
+    gamma_min: float | None = None
+    """Final / constant gamma (FastCLIP 0.2, SogCLR 0.9)."""
+    gamma_decay_epochs: int | None = None
+    """Epochs of the cosine decay of gamma; null: half of train.epochs."""
+    rho: float | None = None
+    """rho of the robust objectives RGCL (v2, iSogCLR) and RGCL-g (v3): 6.5 CC3M, 8.5 CC12M, 16 LAION."""
+    eps: float | None = None
+    """epsilon inside log(eps + g) and g / (u + eps): 1e-14 (1e-6 for LAION-scale runs)."""
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.temperature_init <= 1.0:
-            raise ConfigError(f"loss.temperature_init must be in (0, 1], got {self.temperature_init}")
+        if self.name not in LOSS_DEFAULTS:
+            raise ConfigError(f"loss.name={self.name!r} is unknown; choose one of {sorted(LOSS_DEFAULTS)}")
+        defaults = dict(LOSS_DEFAULTS[self.name])
+        if self.name != "openclip":
+            defaults = {**_COMPOSITIONAL_DEFAULTS, **defaults}
+        for key, value in defaults.items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
+        if self.temperature_rule not in TEMPERATURE_RULES:
+            raise ConfigError(f"loss.temperature_rule must be one of {TEMPERATURE_RULES}")
+        if self.name == "openclip" and self.temperature_rule not in ("fixed", "learnable"):
+            raise ConfigError("loss.name=openclip supports temperature_rule fixed or learnable")
+        if self.temperature_rule.startswith("individual") != (self.name in ("fastclip_v2", "isogclr")):
+            raise ConfigError(
+                f"loss.temperature_rule={self.temperature_rule} does not fit loss.name={self.name}: "
+                "individual temperatures need the RGCL losses fastclip_v2 or isogclr, and those need an "
+                "individual rule"
+            )
+        if not 0.0 < self.temperature_min <= self.temperature_init <= self.temperature_max:
+            raise ConfigError(
+                "loss.temperature_init must lie in [loss.temperature_min, loss.temperature_max] and "
+                f"temperature_min must be > 0; got {self.temperature_init} in "
+                f"[{self.temperature_min}, {self.temperature_max}]"
+            )
+        if self.temperature_rule in ("rgcl_g", "individual_adam", "individual_momentum"):
+            if self.temperature_lr is None or self.temperature_lr <= 0:
+                raise ConfigError(
+                    f"loss.temperature_lr must be > 0 for temperature_rule={self.temperature_rule}"
+                )
+            if self.rho is None:
+                raise ConfigError(f"loss.rho must be set for temperature_rule={self.temperature_rule}")
+        if len(self.temperature_betas) != 2 or not all(0.0 <= b < 1.0 for b in self.temperature_betas):
+            raise ConfigError("loss.temperature_betas must be two numbers in [0, 1)")
+        if not 0.0 <= self.temperature_momentum < 1.0:
+            raise ConfigError("loss.temperature_momentum must be in [0, 1)")
+        if self.name != "openclip":
+            if self.gamma_schedule not in ("cosine", "constant"):
+                raise ConfigError(
+                    f"loss.gamma_schedule must be cosine or constant, got {self.gamma_schedule!r}"
+                )
+            if not 0.0 < self.gamma_min <= 1.0:
+                raise ConfigError(f"loss.gamma_min must be in (0, 1], got {self.gamma_min}")
+            if self.eps is None or self.eps <= 0:
+                raise ConfigError("loss.eps must be > 0")
+            if self.gamma_decay_epochs is not None:
+                _positive("loss.gamma_decay_epochs", self.gamma_decay_epochs)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -170,10 +286,8 @@ class ExperimentConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
-        from eva_fastclip.losses import LOSSES  # late import: the registry imports torch
-
-        if self.loss.name not in LOSSES:
-            raise ConfigError(f"loss.name={self.loss.name!r} is unknown; choose one of {sorted(LOSSES)}")
+        if self.loss.name != "openclip" and self.loss.gamma_decay_epochs is None:
+            self.loss.gamma_decay_epochs = max(1, self.train.epochs // 2)  # FastCLIP: E ~ epochs / 2
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -7,7 +7,9 @@ import torch
 import torch.nn.functional as F
 from open_clip.loss import ClipLoss
 
+from eva_fastclip.config import LossConfig
 from eva_fastclip.losses import Gatherer, OpenClipLoss
+from eva_fastclip.temperature import TemperatureController
 
 
 def features(n, d, seed):
@@ -78,4 +80,7 @@ def test_reports_temperature():
     images, texts = features(4, 8, seed=2)
     out = OpenClipLoss()(images, texts, torch.tensor([20.0]), torch.arange(4))
     assert out.metrics["temperature"] == pytest.approx(0.05)
-    assert OpenClipLoss.logit_scale_bounds == (0.0, pytest.approx(math.log(100)))
+    # OpenCLIP keeps log(1/tau) in [0, ln 100]: the controller's default bounds tau in [0.01, 1]
+    controller = TemperatureController.from_config(LossConfig(name="openclip"))
+    assert controller.learns_global
+    assert controller.logit_scale_bounds() == (0.0, pytest.approx(math.log(100)))

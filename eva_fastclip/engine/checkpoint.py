@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,8 +73,16 @@ def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(engine, root: Path, step: int, client_state: dict[str, Any], keep: int) -> Path:
-    """Every rank calls this. Returns the checkpoint folder once it is complete on disk."""
+def save_checkpoint(
+    engine,
+    root: Path,
+    step: int,
+    client_state: dict[str, Any],
+    keep: int,
+    write_extra: Callable[[Path], None] | None = None,
+) -> Path:
+    """Every rank calls this. ``write_extra(folder)`` adds this rank's own files (per-sample state)
+    before the marker. Returns the checkpoint folder once it is complete on disk."""
     tag = tag_for_step(step)
     folder = root / tag
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -81,6 +90,8 @@ def save_checkpoint(engine, root: Path, step: int, client_state: dict[str, Any],
         shutil.rmtree(folder)
     _barrier()
     engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+    if write_extra is not None:
+        write_extra(folder)
     _barrier()  # every rank's shards are written
     if rank == 0:
         write_json_atomic(folder / MARKER, {"step": step, "tag": tag, "world_size": _world_size()})

@@ -115,11 +115,13 @@ def autocast_dtype(ds: dict[str, Any]) -> torch.dtype:
     return torch.float32
 
 
-def build_optimizer(ds: dict[str, Any], model: nn.Module, *, cuda: bool) -> torch.optim.Optimizer:
+def build_optimizer(
+    ds: dict[str, Any], model: nn.Module, *, cuda: bool, temperature_lr: float | None = None
+) -> torch.optim.Optimizer:
     """LAMB / AdamW over our parameter groups: DeepSpeed's fused kernels on CUDA, PyTorch ones on CPU."""
     kind = ds["optimizer"]["type"]
     params = dict(ds["optimizer"]["params"])
-    groups = parameter_groups(model, weight_decay=params.pop("weight_decay"))
+    groups = parameter_groups(model, weight_decay=params.pop("weight_decay"), temperature_lr=temperature_lr)
     betas = tuple(params.pop("betas", (0.9, 0.98)))
     lr, eps = params.pop("lr"), params.pop("eps", 1e-6)
     if params:
@@ -149,19 +151,31 @@ def warmup_cosine(step: int, *, warmup: int, total: int, min_ratio: float) -> fl
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ExperimentConfig, total_steps: int):
-    """The warm-up + cosine schedule, applied to each group's own peak lr (so per-group ratios hold)."""
+    """The warm-up + cosine schedule, applied to each group's own peak lr (so per-group ratios hold);
+    the temperature's own group (rgcl_g) keeps a constant lr."""
     schedule = functools.partial(
         warmup_cosine, warmup=cfg.optim.warmup_steps, total=total_steps, min_ratio=cfg.optim.min_lr_ratio
     )
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    lambdas = [_constant if g.get("name") == "temperature" else schedule for g in optimizer.param_groups]
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
 
 
-def initialize_engine(model: nn.Module, cfg: ExperimentConfig, ds: dict[str, Any], total_steps: int):
+def _constant(step: int) -> float:
+    return 1.0
+
+
+def initialize_engine(
+    model: nn.Module,
+    cfg: ExperimentConfig,
+    ds: dict[str, Any],
+    total_steps: int,
+    temperature_lr: float | None = None,
+):
     """``deepspeed.initialize`` with our optimizer and schedule; returns the engine."""
     import deepspeed
 
     cuda = torch.cuda.is_available()
-    optimizer = build_optimizer(ds, model, cuda=cuda)
+    optimizer = build_optimizer(ds, model, cuda=cuda, temperature_lr=temperature_lr)
     scheduler = build_scheduler(optimizer, cfg, total_steps)
     engine_config = {k: v for k, v in ds.items() if k != "optimizer"}
     engine, _, _, _ = deepspeed.initialize(

@@ -26,6 +26,7 @@ from eva_fastclip.engine.evaluate import evaluate_model, format_results
 from eva_fastclip.engine.setup import autocast_dtype, initialize_engine, resolve_deepspeed_config
 from eva_fastclip.losses import Gatherer, build_loss
 from eva_fastclip.models import create_model
+from eva_fastclip.temperature import TemperatureController
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +45,9 @@ class Trainer:
         self.checkpoint_root = self.output_dir / "checkpoints"
 
         bundle = create_model(cfg.model, temperature_init=cfg.loss.temperature_init)
-        bundle.model.logit_scale.requires_grad_(cfg.loss.learn_temperature)
+        self.temperature = TemperatureController.from_config(cfg.loss)
+        bundle.model.logit_scale.requires_grad_(self.temperature.learns_global)
         self.bundle = bundle
-        self.loss = build_loss(cfg.loss.name, Gatherer.from_process_group())
 
         layout = batch_layout(cfg, self.world_size)
         self.loader = loader or TrainLoader(
@@ -72,12 +73,20 @@ class Trainer:
             )
         self.total_steps = cfg.train.steps or cfg.train.epochs * self.steps_per_epoch
         self.layout = layout
+        self.loss = build_loss(
+            cfg.loss,
+            gatherer=Gatherer.from_process_group(),
+            dataset_size=self.loader.dataset_size,
+            temperature=self.temperature,
+        )
 
         ds = resolve_deepspeed_config(
             ds_config, cfg, layout, source=cfg.train.deepspeed_config, cuda=torch.cuda.is_available()
         )
         self.input_dtype = autocast_dtype(ds)
-        self.engine = initialize_engine(bundle.model, cfg, ds, self.total_steps)
+        self.engine = initialize_engine(
+            bundle.model, cfg, ds, self.total_steps, temperature_lr=self.temperature.own_group_lr
+        )
 
         self.step, self.epoch, self.micro_in_epoch = 0, 0, 0
         folder = checkpoint.resolve_resume(resume, self.checkpoint_root)
@@ -146,19 +155,39 @@ class Trainer:
         # DeepSpeed's global_steps advances even on a skipped step: ask whether it was really applied
         if engine.was_step_applied():
             self.loss.on_step_applied()
-            if self.loss.logit_scale_bounds is not None and self.bundle.model.logit_scale.requires_grad:
-                clamp_parameter_(self.bundle.model.logit_scale, *self.loss.logit_scale_bounds)
+            self._after_applied_step()
         else:
             self.loss.on_step_skipped()
         return {**out.metrics, "loss": out.loss.item(), "step_applied": float(engine.was_step_applied())}
 
     # ---- pieces --------------------------------------------------------------------------------------
 
+    def _after_applied_step(self) -> None:
+        """The temperature controller's turn: clamp the global tau, drop its lr once (rgcl_g)."""
+        if not self.temperature.learns_global:
+            return
+        param = self.bundle.model.logit_scale
+        groups = [g for g in self.engine.optimizer.param_groups if g.get("name") == "temperature"]
+        scheduler = self.engine.lr_scheduler
+
+        def set_group_lr(lr: float) -> None:  # the schedule multiplies base_lrs: change the base
+            for i, group in enumerate(self.engine.optimizer.param_groups):
+                if group.get("name") == "temperature":
+                    scheduler.base_lrs[i] = lr
+                    group["lr"] = lr
+
+        self.temperature.after_applied_step(
+            read_full_parameter(param).item(),
+            lambda theta: write_full_parameter_(param, theta),
+            set_group_lr if groups else None,
+        )
+
     def _epoch_batches(self):
         """This epoch's remaining micro-batches. A resumed epoch draws its remaining batches from a stream
         seeded by (epoch, batches done), so it does not repeat the start of the epoch."""
         start = self.micro_in_epoch
         self.loader.set_epoch(self.epoch if start == 0 else self.epoch * 1_000_003 + start)
+        self.loss.set_epoch(self.epoch)
         for i, batch in enumerate(self.loader):
             if i >= self.loader.num_batches - start:
                 break
@@ -171,10 +200,15 @@ class Trainer:
             "micro_in_epoch": self.micro_in_epoch,
             "world_size": self.world_size,
             "config": self.cfg.to_dict(),
-            "loss_state": self.loss.state_dict(),
+            "temperature": self.temperature.state_dict(),
         }
         folder = checkpoint.save_checkpoint(
-            self.engine, self.checkpoint_root, self.step, state, keep=self.cfg.train.keep_checkpoints
+            self.engine,
+            self.checkpoint_root,
+            self.step,
+            state,
+            keep=self.cfg.train.keep_checkpoints,
+            write_extra=lambda folder: self.loss.save_state(folder / "per_sample"),
         )
         if self.is_main:
             log.info("saved checkpoint %s", folder)
@@ -182,7 +216,8 @@ class Trainer:
 
     def _restore(self, state: dict[str, Any], folder: Path) -> None:
         self.step, self.epoch, self.micro_in_epoch = state["step"], state["epoch"], state["micro_in_epoch"]
-        self.loss.load_state_dict(state.get("loss_state", {}))
+        self.temperature.load_state_dict(state.get("temperature", {}))
+        self.loss.load_state(folder / "per_sample")
         if self.is_main:
             log.info("resumed from %s at step %d (epoch %d)", folder, self.step, self.epoch)
 
@@ -270,23 +305,22 @@ def _default_rendezvous_env() -> None:
         os.environ.setdefault(key, value)
 
 
-def clamp_parameter_(param: torch.nn.Parameter, low: float, high: float) -> None:
-    """Clamp a parameter in place, including the fp32 master copy that ZeRO keeps for it.
-
-    All ranks must call this (reading the master copy is a collective under ZeRO 1/2).
-    """
-    from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+def read_full_parameter(param: torch.nn.Parameter) -> torch.Tensor:
+    """A parameter's fp32 value: ZeRO's master copy where there is one (a collective: all ranks call)."""
+    from deepspeed.utils import safe_get_full_fp32_param
 
     master = safe_get_full_fp32_param(param)
-    if master is None:  # no ZeRO wrapper: the parameter is its own master
-        with torch.no_grad():
-            param.clamp_(low, high)
-        return
-    if master.min() < low or master.max() > high:
-        clamped = master.clamp(low, high)
-        safe_set_full_fp32_param(param, clamped)
-        with torch.no_grad():
-            param.copy_(clamped.to(param.dtype))
+    return param.detach().float() if master is None else master
+
+
+def write_full_parameter_(param: torch.nn.Parameter, value: float) -> None:
+    """Set a parameter everywhere it lives: ZeRO's fp32 master (owner's partition) and the module copy."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    full = torch.full_like(read_full_parameter(param), value)
+    safe_set_full_fp32_param(param, full)
+    with torch.no_grad():
+        param.fill_(value)
 
 
 def memory_in_use_gib() -> float:

@@ -1,21 +1,55 @@
-"""Contrastive losses, chosen by name in the experiment config (``loss.name``)."""
+"""Contrastive losses, chosen by name in the experiment config (``loss.name``).
 
+Each works outside the trainer too, in one process::
+
+    loss_fn = build_loss("fastclip_v3", dataset_size=10_000)
+    out = loss_fn(image_features, text_features, logit_scale, indices)   # open_clip's outputs
+    out.loss.backward(); loss_fn.on_step_applied()                        # commit the per-sample state
+    loss_fn.state.local_rows(indices)                                     # log u1, log u2, ... per sample
+"""
+
+from __future__ import annotations
+
+from eva_fastclip.config import LOSS_DEFAULTS, LossConfig
 from eva_fastclip.losses.base import ContrastiveLoss, LossOutput
+from eva_fastclip.losses.compositional import CompositionalLoss
 from eva_fastclip.losses.gather import Gatherer
 from eva_fastclip.losses.openclip import OpenClipLoss
+from eva_fastclip.losses.state import PerSampleTable
 
-#: name -> loss class; every entry takes (config: LossConfig, gatherer: Gatherer, dataset_size: int)
+#: every loss name the config accepts -> its class
 LOSSES: dict[str, type[ContrastiveLoss]] = {
-    "openclip": OpenClipLoss,
+    name: OpenClipLoss if name == "openclip" else CompositionalLoss for name in LOSS_DEFAULTS
 }
 
 
-def build_loss(name: str, gatherer: Gatherer, **kwargs) -> ContrastiveLoss:
-    try:
-        cls = LOSSES[name]
-    except KeyError:
-        raise ValueError(f"unknown loss {name!r}; choose one of {sorted(LOSSES)}") from None
-    return cls(gatherer=gatherer, **kwargs)
+def build_loss(
+    cfg: LossConfig | str,
+    *,
+    gatherer: Gatherer | None = None,
+    dataset_size: int | None = None,
+    temperature=None,
+    **overrides,
+) -> ContrastiveLoss:
+    """The loss of ``cfg`` (a LossConfig, or a name plus LossConfig keys as keyword overrides)."""
+    if isinstance(cfg, str):
+        cfg = LossConfig(name=cfg, **overrides)
+        if cfg.name != "openclip" and cfg.gamma_decay_epochs is None:
+            cfg.gamma_decay_epochs = 1
+    if cfg.name == "openclip":
+        return OpenClipLoss(gatherer)
+    if dataset_size is None:
+        raise ValueError(f"loss {cfg.name!r} keeps per-sample state: pass dataset_size")
+    return CompositionalLoss(cfg, dataset_size=dataset_size, gatherer=gatherer, temperature=temperature)
 
 
-__all__ = ["LOSSES", "ContrastiveLoss", "Gatherer", "LossOutput", "OpenClipLoss", "build_loss"]
+__all__ = [
+    "LOSSES",
+    "CompositionalLoss",
+    "ContrastiveLoss",
+    "Gatherer",
+    "LossOutput",
+    "OpenClipLoss",
+    "PerSampleTable",
+    "build_loss",
+]

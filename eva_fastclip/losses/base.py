@@ -10,6 +10,7 @@ gradients), so a skipped step leaves every piece of state exactly as it was.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -32,10 +33,6 @@ class ContrastiveLoss(nn.Module):
     multiplier 1/tau (already exponentiated), plus the pairs' dataset indices.
     """
 
-    #: bounds (low, high) the trainer keeps the model's parameter log(1/tau) inside after each applied step;
-    #: None when the loss does not learn a global temperature through the model.
-    logit_scale_bounds: tuple[float, float] | None = None
-
     def __init__(self, gatherer: Gatherer | None = None) -> None:
         super().__init__()
         self.gatherer = gatherer or Gatherer()
@@ -54,3 +51,12 @@ class ContrastiveLoss(nn.Module):
 
     def on_step_skipped(self) -> None:
         """Discard what ``forward`` staged: the engine skipped the optimizer step."""
+
+    def set_epoch(self, epoch: int) -> None:
+        """Called at the start of every epoch (schedules of the inner rate)."""
+
+    def save_state(self, folder: Path) -> None:
+        """Write per-sample state into a checkpoint folder (every rank calls this)."""
+
+    def load_state(self, folder: Path) -> None:
+        """Read per-sample state back from a checkpoint folder."""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -15,11 +13,9 @@ class OpenClipLoss(ContrastiveLoss):
 
     Rank k scores its b local anchors against all B gathered pairs (rows [k·b, (k+1)·b) of the logit
     matrix, as in DisCo-CLIP) and the gather keeps autograd, so the sum over ranks of the gradients equals
-    the gradient of the full-batch loss. The temperature comes from the model's learnable parameter
-    log(1/tau), which the trainer keeps inside [0, ln 100] after every applied step.
+    the gradient of the full-batch loss. The temperature comes from the model's parameter log(1/tau),
+    learnable by default and kept in [0.01, 1] (log(1/tau) in [0, ln 100]) by the temperature controller.
     """
-
-    logit_scale_bounds = (0.0, math.log(100.0))
 
     def forward(self, image_features, text_features, logit_scale, indices) -> LossOutput:
         all_images = self.gatherer.gather_with_grad(image_features)

@@ -1,0 +1,220 @@
+"""The global contrastive loss family optimised by compositional (FCCO) updates: SogCLR, iSogCLR and
+FastCLIP v0-v3, as one class configured by ``LossConfig`` (docs/losses.md has the math).
+
+For pair i with L2-normalised image/text embeddings e1_i, e2_i and d_ij = (e1_i·e2_j - e1_i·e2_i)/tau_i,
+    g1_i = 1/(B-1) · sum_{j != i} exp(d_ij)          (and g2_i the mirror, text anchors)
+    u_i  <- (1-gamma)·u_i + gamma·g_i                (u_i <- g_i if the stored u_i < 1e-35, inf or NaN)
+and the gradient goes through the surrogate
+    Phi  = mean_i 1/2 [ w1_i·g1_i/(u1_i+eps) + w2_i·g2_i/(u2_i+eps) ]    (w = tau_i for RGCL, else 1)
+whose gradient, when u = g, is the gradient of the objective
+    GCL:    mean_i 1/2 [ log(eps+g1_i) + log(eps+g2_i) ]                     (SogCLR, v0, v1)
+    RGCL:   mean_i 1/2 [ tau1_i (log(eps+g1_i)+rho) + tau2_i (log(eps+g2_i)+rho) ]   (v2, iSogCLR)
+    RGCL-g: tau · mean_i 1/2 [ log(eps+g1_i) + log(eps+g2_i) ] + rho·tau     (v3, surrogate below)
+(the 1/2 averages the two directions, as OpenCLIP's loss does; it keeps rho on the reference's scale).
+
+Distributed reduction (FastCLIP): features are all-gathered without autograd; rank k computes g only for
+its b anchors against all B negatives (the local half, gradient through the anchors) and, for all B
+anchors, the part of g whose negatives are its own pairs (the remote half, gradient through the local
+negatives, scaled by B/b). The engine's gradient average over ranks then gives exactly the gradient of
+Phi; no collective carries feature gradients. Exponentials are taken against a detached per-row maximum
+and u is kept as log u, so nothing overflows in fp32 down to tau = 0.01.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from eva_fastclip.config import LossConfig
+from eva_fastclip.losses.base import ContrastiveLoss, LossOutput
+from eva_fastclip.losses.gather import Gatherer
+from eva_fastclip.losses.state import PerSampleTable
+from eva_fastclip.temperature import TemperatureController
+
+_LOG_TINY = math.log(1e-35)  # a stored u below this is treated as unset (SPEC's reset rule)
+
+
+class CompositionalLoss(ContrastiveLoss):
+    def __init__(
+        self,
+        cfg: LossConfig,
+        *,
+        dataset_size: int,
+        gatherer: Gatherer | None = None,
+        temperature: TemperatureController | None = None,
+    ) -> None:
+        super().__init__(gatherer)
+        self.cfg = cfg
+        self.temperature = temperature or TemperatureController.from_config(cfg)
+        self.individual = self.temperature.is_individual
+        self.rgcl_g = self.temperature.rule == "rgcl_g"
+        self.log_eps = math.log(cfg.eps)
+        fields = {"log_u1": -math.inf, "log_u2": -math.inf}
+        if self.individual:
+            fields |= {"tau1": cfg.temperature_init, "tau2": cfg.temperature_init, "m1": 0.0, "m2": 0.0}
+            if self.temperature.rule == "individual_adam":
+                fields |= {"v1": 0.0, "v2": 0.0}
+        self.state = PerSampleTable(dataset_size, fields, self.gatherer)
+        self.epoch = 0
+
+    # ---- schedule -------------------------------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def gamma(self) -> float:
+        """Inner rate of the u estimators for the current epoch: 1 in the first, then the schedule."""
+        cfg = self.cfg
+        if self.epoch == 0:
+            return 1.0
+        if cfg.gamma_schedule == "constant" or self.epoch >= cfg.gamma_decay_epochs:
+            return cfg.gamma_min
+        return (
+            0.5 * (1 + math.cos(math.pi * self.epoch / cfg.gamma_decay_epochs)) * (1 - cfg.gamma_min)
+            + cfg.gamma_min
+        )
+
+    # ---- the step -------------------------------------------------------------------------------------
+
+    def forward(self, image_features, text_features, logit_scale, indices) -> LossOutput:
+        g = self.gatherer
+        b = image_features.shape[0]
+        both = g.gather(torch.stack([image_features, text_features], dim=1), purpose="features")  # [B, 2, d]
+        e1_all, e2_all = both[:, 0], both[:, 1]
+        idx_all = g.gather(indices, purpose="indices")
+        big_b = both.shape[0]
+        if big_b < 2:
+            raise ValueError("the global contrastive loss needs at least 2 pairs per step across ranks")
+        local = slice(g.rank * b, (g.rank + 1) * b)
+        # [B, F]: the committed state of every pair in the step (computed on in the features' precision)
+        rows = self.state.lookup(idx_all).to(image_features.dtype)
+        col = self.state.column
+
+        if self.individual:
+            tau1_all, tau2_all = rows[:, col("tau1")], rows[:, col("tau2")]
+            tau1, tau2 = tau1_all[local], tau2_all[local]
+        else:  # one global tau; only the local half carries its gradient (the engine averages the rest)
+            tau = (1.0 / logit_scale).reshape(())
+            if not self.temperature.learns_global:
+                tau = tau.detach()
+            tau1 = tau2 = tau
+            tau1_all = tau2_all = tau.detach()
+
+        sim_image = image_features @ e2_all.T  # [b, B]: local image anchors, gradient through them
+        sim_text = text_features @ e1_all.T  # [b, B]: local text anchors
+        positives = (image_features * text_features).sum(-1)  # [b]
+        positives_all = (e1_all * e2_all).sum(-1)  # [B], no gradient
+        not_self = torch.ones(b, big_b, dtype=torch.bool, device=sim_image.device)
+        not_self[torch.arange(b), torch.arange(b) + g.rank * b] = False
+        log_norm = math.log(big_b - 1)
+
+        # local half: g for this rank's anchors against all B negatives
+        c1, s1, sd1 = _shifted_sums(sim_image, positives, tau1, not_self)
+        c2, s2, sd2 = _shifted_sums(sim_text, positives, tau2, not_self)
+        log_g1, log_g2 = c1 + s1.log() - log_norm, c2 + s2.log() - log_norm
+
+        gamma = self.gamma()
+        new_rows = rows[local].clone()
+        log_u1 = _update_log_u(rows[local, col("log_u1")], log_g1.detach(), gamma)
+        log_u2 = _update_log_u(rows[local, col("log_u2")], log_g2.detach(), gamma)
+        new_rows[:, col("log_u1")], new_rows[:, col("log_u2")] = log_u1, log_u2
+        log_den1 = torch.logaddexp(log_u1, torch.full_like(log_u1, self.log_eps))  # log(u + eps)
+        log_den2 = torch.logaddexp(log_u2, torch.full_like(log_u2, self.log_eps))
+        if self.individual:
+            self._step_individual_tau(new_rows, (tau1, tau2), (c1, c2), (sd1, sd2), (log_den1, log_den2))
+        new_all = g.gather(new_rows, purpose="state_update")  # [B, F]: every pair's new state
+        self.state.stage(idx_all, new_all)
+
+        # remote half: all B anchors against this rank's pairs as negatives (gradient through those)
+        log_eps = torch.tensor(self.log_eps, dtype=new_all.dtype)
+        log_den1_all = torch.logaddexp(new_all[:, col("log_u1")], log_eps)
+        log_den2_all = torch.logaddexp(new_all[:, col("log_u2")], log_eps)
+        rc1, rs1, _ = _shifted_sums(sim_text.T, positives_all, tau1_all, not_self.T)
+        rc2, rs2, _ = _shifted_sums(sim_image.T, positives_all, tau2_all, not_self.T)
+        log_remote = math.log(big_b / b) - log_norm
+
+        ratio1 = s1 * torch.exp(c1 - log_norm - log_den1)  # g1/(u1+eps), local anchors
+        ratio2 = s2 * torch.exp(c2 - log_norm - log_den2)
+        remote1 = rs1 * torch.exp(rc1 + log_remote - log_den1_all)  # (B/b)·ĝ1/(u1+eps), all anchors
+        remote2 = rs2 * torch.exp(rc2 + log_remote - log_den2_all)
+        if self.individual:  # RGCL weighs each anchor's term by its own temperature
+            ratio1, ratio2 = tau1 * ratio1, tau2 * ratio2
+            remote1, remote2 = tau1_all * remote1, tau2_all * remote2
+        phi = 0.5 * ((ratio1 + ratio2).mean() + (remote1 + remote2).mean())
+
+        log_eps_g1 = torch.logaddexp(log_g1.detach(), log_eps)  # log(eps + g)
+        log_eps_g2 = torch.logaddexp(log_g2.detach(), log_eps)
+        metrics = {"gamma": gamma, "state/log_u_mean": float(0.5 * (log_u1 + log_u2).mean())}
+        if self.rgcl_g:
+            # tau_d·Phi + rho·tau + tau·1/2·mean(log(u+eps)): its gradient is RGCL-g's (SPEC's L_v3)
+            loss = tau.detach() * phi + self.cfg.rho * tau + tau * 0.5 * (log_den1 + log_den2).mean()
+            tau_value = float(tau.detach())
+            objective = tau_value * float(0.5 * (log_eps_g1 + log_eps_g2).mean()) + self.cfg.rho * tau_value
+        elif self.individual:
+            loss = phi
+            objective = float(
+                0.5 * (tau1 * (log_eps_g1 + self.cfg.rho) + tau2 * (log_eps_g2 + self.cfg.rho)).mean()
+            )
+            taus = torch.cat([new_rows[:, col("tau1")], new_rows[:, col("tau2")]])
+            for q in (0.1, 0.5, 0.9):
+                metrics[f"temperature_q{int(q * 100)}"] = float(taus.quantile(q))
+        else:
+            loss = phi
+            objective = float(0.5 * (log_eps_g1 + log_eps_g2).mean())
+        if not self.individual:
+            metrics["temperature"] = float(tau.detach())
+        metrics["loss/objective"] = objective
+        metrics["loss/surrogate"] = float(phi.detach())
+        return LossOutput(loss, metrics)
+
+    def _step_individual_tau(self, new_rows, taus, shifts, dsums, log_dens) -> None:
+        """Per-sample tau gradient of tau_i(log(eps+g_i)+rho), estimated with the new u, then one step."""
+        col = self.state.column
+        log_norm = math.log(self.gatherer.world_size * new_rows.shape[0] - 1)
+        for k, (tau, c, sd, log_den) in enumerate(zip(taus, shifts, dsums, log_dens), start=1):
+            # d/dtau [tau (log(eps+g) + rho)] = log(eps+g) + rho - (1/(B-1)) sum_j exp(d_ij) d_ij / (eps+g)
+            grad = log_den + self.cfg.rho - sd * torch.exp(c - log_norm - log_den)
+            v = new_rows[:, col(f"v{k}")] if self.temperature.rule == "individual_adam" else None
+            new_tau, m, v = self.temperature.individual_step(
+                tau.detach(), grad.detach(), new_rows[:, col(f"m{k}")], v, self.epoch
+            )
+            new_rows[:, col(f"tau{k}")], new_rows[:, col(f"m{k}")] = new_tau, m
+            if v is not None:
+                new_rows[:, col(f"v{k}")] = v
+
+    # ---- step hooks and checkpoints ----------------------------------------------------------------
+
+    def on_step_applied(self) -> None:
+        self.state.commit()
+
+    def on_step_skipped(self) -> None:
+        self.state.discard()
+
+    def save_state(self, folder) -> None:
+        self.state.save(folder)
+
+    def load_state(self, folder) -> None:
+        self.state.load(folder)
+
+
+def _shifted_sums(sim, positives, tau, mask):
+    """Per row (anchor) of d = (sim - positive)/tau over the unmasked entries: the detached row maximum c,
+    s = sum exp(d - c) (with gradient) and sum exp(d - c)·d (detached, for the temperature gradient)."""
+    tau = tau.unsqueeze(-1) if tau.ndim == 1 else tau
+    d = (sim - positives.unsqueeze(-1)) / tau
+    c = torch.where(mask, d, -math.inf).amax(dim=1).detach()
+    c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))  # a row with no negatives (b = 1)
+    weights = torch.exp(torch.where(mask, d - c.unsqueeze(-1), -math.inf))
+    s = weights.sum(dim=1)
+    sd = (weights * torch.where(mask, d, 0.0)).sum(dim=1).detach()
+    return c, s, sd
+
+
+def _update_log_u(log_u_old: torch.Tensor, log_g: torch.Tensor, gamma: float) -> torch.Tensor:
+    """log of (1-gamma)·u + gamma·g, with SPEC's reset to g for a stored u < 1e-35, inf or NaN."""
+    if gamma >= 1.0:
+        return log_g
+    unset = ~torch.isfinite(log_u_old) | (log_u_old < _LOG_TINY)
+    mixed = torch.logaddexp(log_u_old + math.log(1 - gamma), log_g + math.log(gamma))
+    return torch.where(unset, log_g, mixed)
