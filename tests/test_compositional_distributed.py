@@ -1,0 +1,113 @@
+"""(b) 2 ranks with global batch B give the gradients and state updates of 1 rank with the same B;
+(c) the bytes each rank passes to collectives match docs/losses.md, and none carry feature gradients.
+
+Real collectives: two processes over gloo (no DeepSpeed needed for the loss itself).
+"""
+
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from eva_fastclip.losses import Gatherer, build_loss
+
+B, D, WORLD = 8, 6, 2
+VARIANTS = ["sogclr", "fastclip_v0", "fastclip_v1", "fastclip_v2", "fastclip_v3", "isogclr"]
+
+
+def batches():
+    """Two steps over the same 8 samples, in a different order the second time (their state moves rank)."""
+    g = torch.Generator().manual_seed(0)
+    steps = []
+    for order in (torch.arange(B), torch.tensor([5, 2, 7, 0, 3, 6, 1, 4])):
+        e1 = F.normalize(torch.randn(B, D, generator=g, dtype=torch.float64), dim=-1)
+        e2 = F.normalize(torch.randn(B, D, generator=g, dtype=torch.float64), dim=-1)
+        steps.append((e1, e2, order))
+    return steps
+
+
+def run_steps(name, rank, world):
+    """Two steps (epoch 0: gamma = 1, then epoch 1: gamma < 1) on this rank's slice of each batch."""
+    gatherer = Gatherer(rank, world) if world > 1 else Gatherer()
+    loss_fn = build_loss(name, gatherer=gatherer, dataset_size=B, rho=6.5, gamma_decay_epochs=2)
+    theta = torch.tensor([math.log(1 / 0.05)], dtype=torch.float64, requires_grad=True)
+    b = B // world
+    local = slice(rank * b, (rank + 1) * b)
+    results = []
+    for epoch, (e1, e2, order) in enumerate(batches()):
+        loss_fn.set_epoch(epoch)
+        gatherer.traffic.clear()
+        x1, x2 = e1[local].clone().requires_grad_(True), e2[local].clone().requires_grad_(True)
+        out = loss_fn(x1, x2, theta.exp(), order[local])
+        wrt = (x1, x2, theta) if loss_fn.temperature.learns_global else (x1, x2)
+        grads = torch.autograd.grad(out.loss, wrt)
+        loss_fn.on_step_applied()
+        owned = torch.arange(loss_fn.state.lo, loss_fn.state.hi)
+        results.append(
+            {
+                "grads": grads,
+                "rows": (owned, loss_fn.state.local_rows(owned).clone()),
+                "traffic": dict(gatherer.traffic),
+                "fields": len(loss_fn.state.fields),
+            }
+        )
+    return results
+
+
+def worker(rank, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    results = {name: run_steps(name, rank, WORLD) for name in VARIANTS}
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def distributed(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("ranks")
+    mp.spawn(worker, args=(29611, str(out_dir)), nprocs=WORLD, join=True)
+    per_rank = [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
+    return {name: [results[name] for results in per_rank] for name in VARIANTS}
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_two_ranks_match_one(distributed, name):
+    single = run_steps(name, 0, 1)
+    ranks = distributed[name]
+    b = B // WORLD
+    for step in range(2):
+        one = single[step]["grads"]
+        # the engine averages parameter gradients over ranks: rank k's own features get 1/K of its gradient
+        for r in range(WORLD):
+            for got, want in zip(ranks[r][step]["grads"][:2], one[:2]):
+                torch.testing.assert_close(got / WORLD, want[r * b : (r + 1) * b], rtol=1e-9, atol=1e-12)
+        if len(one) == 3:  # the global temperature: the ranks' average
+            average = sum(ranks[r][step]["grads"][2] for r in range(WORLD)) / WORLD
+            torch.testing.assert_close(average, one[2], rtol=1e-9, atol=1e-12)
+        # the per-sample tables, split by index range over the ranks, equal the single-rank table
+        table = torch.cat([ranks[r][step]["rows"][1] for r in range(WORLD)])
+        owned = torch.cat([ranks[r][step]["rows"][0] for r in range(WORLD)])
+        assert owned.tolist() == list(range(B))
+        torch.testing.assert_close(table, single[step]["rows"][1], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_collective_bytes_match_the_formula(distributed, name):
+    """docs/losses.md: per step and rank, with b local pairs, B = K·b, d dims, F state fields, s bytes per
+    feature element: features 2·b·d·s, indices 8·b, state lookup 4·B·F, state update b·F·s."""
+    b, s = B // WORLD, 8  # float64 features in this test
+    for rank in distributed[name]:
+        for step in rank:
+            fields = step["fields"]
+            expected = {
+                "features": 2 * b * D * s,
+                "indices": 8 * b,
+                "state_lookup": 4 * B * fields,
+                "state_update": b * fields * s,
+            }
+            assert step["traffic"] == expected  # nothing else: no feature gradients cross ranks
