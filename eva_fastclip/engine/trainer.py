@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import random
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -294,14 +295,12 @@ def init_process_group() -> tuple[int, int, torch.device]:
 
 
 def _default_rendezvous_env() -> None:
-    """Let ``eva-fastclip train`` run as one process without the launcher."""
-    for key, value in (
-        ("RANK", "0"),
-        ("LOCAL_RANK", "0"),
-        ("WORLD_SIZE", "1"),
-        ("MASTER_ADDR", "127.0.0.1"),
-        ("MASTER_PORT", "29511"),
-    ):
+    """Let ``eva-fastclip train`` run as one process without the launcher (on a free local port)."""
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
 
 
