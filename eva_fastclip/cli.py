@@ -117,12 +117,13 @@ def cmd_train(args) -> int:
         ds, cfg, layout, source=cfg.train.deepspeed_config, cuda=torch.cuda.is_available()
     )
     if args.dry_run:
-        print(
-            json.dumps(
-                {"world_size": world_size, "global_batch": layout.global_batch, "deepspeed": resolved},
-                indent=2,
-            )
-        )
+        summary = {
+            "world_size": world_size,
+            "global_batch": layout.global_batch,
+            "experiment": cfg.to_dict(),
+            "deepspeed": resolved,
+        }
+        print(json.dumps(summary, indent=2))
         return 0
     from eva_fastclip.engine.trainer import Trainer
 

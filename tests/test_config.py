@@ -1,8 +1,9 @@
 import json
+from pathlib import Path
 
 import pytest
 
-from eva_fastclip.config import BatchLayout, ConfigError, ExperimentConfig, load_config
+from eva_fastclip.config import BatchLayout, ConfigError, ExperimentConfig, batch_layout, load_config
 
 
 def write(tmp_path, payload):
@@ -39,6 +40,15 @@ def test_defaults_and_overrides(tmp_path):
         ({"data": {"train_weights": [1.0, 2.0]}}, "one weight per source"),
         ({"data": {"train_shards": ["a"], "train_weights": [1.0]}}, "needs data.resampled=true"),
         ({"train": []}, "train must be a JSON object"),
+        ({"loss": {"name": "fastclip_v3", "temperature_rule": "individual_adam"}}, "does not fit loss.name"),
+        ({"loss": {"name": "fastclip_v2", "temperature_rule": "rgcl_g"}}, "does not fit loss.name"),
+        ({"loss": {"name": "fastclip_v1", "temperature_init": 2.0}}, "must lie in [loss.temperature_min"),
+        ({"loss": {"name": "sogclr", "gamma_min": 0.0}}, "loss.gamma_min must be in (0, 1]"),
+        ({"loss": {"name": "fastclip_v1", "gamma_schedule": "linear"}}, "cosine or constant"),
+        (
+            {"loss": {"name": "isogclr", "temperature_momentum": 1.0}},
+            "temperature_momentum must be in [0, 1)",
+        ),
     ],
 )
 def test_rejects_bad_values_naming_the_key(tmp_path, payload, message):
@@ -58,6 +68,20 @@ def test_bad_files_and_overrides(tmp_path):
         load_config(None, ["train.batch_size"])
 
 
+def test_loss_defaults_follow_the_variant():
+    v3 = load_config(None, ["loss.name=fastclip_v3", "train.epochs=30"]).loss
+    assert (v3.temperature_rule, v3.rho, v3.temperature_lr, v3.gamma_decay_epochs) == (
+        "rgcl_g",
+        6.5,
+        2e-4,
+        15,
+    )
+    v2 = load_config(None, ["loss.name=fastclip_v2", "loss.rho=9"]).loss
+    assert (v2.temperature_rule, v2.temperature_init, v2.rho) == ("individual_adam", 0.03, 9.0)
+    sog = load_config(None, ["loss.name=sogclr"]).loss
+    assert (sog.gamma_schedule, sog.gamma_min, sog.eps) == ("constant", 0.9, 1e-14)
+
+
 def test_batch_layout():
     layout = BatchLayout(micro_batch=16, grad_accum_steps=4, world_size=8)
     assert layout.global_batch == 512
@@ -72,3 +96,19 @@ def test_dry_run_validates_for_a_world_size(capsys):
     assert printed["global_batch"] == 4 * 64 and printed["deepspeed"]["train_batch_size"] == 256
     assert main(["train", "--config", "configs/toy.json", "--set", "train.batch_sise=3", "--dry-run"]) == 2
     assert "did you mean 'train.batch_size'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", sorted(Path("configs").glob("*.json")), ids=lambda p: p.name)
+def test_shipped_presets_validate(path):
+    """Every preset loads and agrees with its DeepSpeed JSON (on a GPU machine, at 8 ranks)."""
+    from eva_fastclip.engine.setup import load_deepspeed_config, resolve_deepspeed_config
+
+    cfg = load_config(path)
+    ds = resolve_deepspeed_config(
+        load_deepspeed_config(cfg.train.deepspeed_config),
+        cfg,
+        batch_layout(cfg, 8),
+        source=str(path),
+        cuda=True,
+    )
+    assert ds["train_batch_size"] == 8 * cfg.train.batch_size * cfg.train.grad_accum_steps
