@@ -30,6 +30,7 @@ from eva_fastclip.config import LossConfig
 from eva_fastclip.losses.base import ContrastiveLoss, LossOutput
 from eva_fastclip.losses.gather import Gatherer
 from eva_fastclip.losses.state import PerSampleTable
+from eva_fastclip.losses.surrogate import Operands, Surrogate, statistics
 from eva_fastclip.temperature import TemperatureController
 
 _LOG_TINY = math.log(1e-35)  # a stored u below this is treated as unset (SPEC's reset rule)
@@ -94,57 +95,54 @@ class CompositionalLoss(ContrastiveLoss):
         if self.individual:
             tau1_all, tau2_all = rows[:, col("tau1")], rows[:, col("tau2")]
             tau1, tau2 = tau1_all[local], tau2_all[local]
+            tau = None
         else:  # one global tau; only the local half carries its gradient (the engine averages the rest)
             tau = (1.0 / logit_scale).reshape(())
             if not self.temperature.learns_global:
                 tau = tau.detach()
-            tau1 = tau2 = tau
-            tau1_all = tau2_all = tau.detach()
-
-        sim_image = image_features @ e2_all.T  # [b, B]: local image anchors, gradient through them
-        sim_text = text_features @ e1_all.T  # [b, B]: local text anchors
-        positives = (image_features * text_features).sum(-1)  # [b]
-        positives_all = (e1_all * e2_all).sum(-1)  # [B], no gradient
-        not_self = torch.ones(b, big_b, dtype=torch.bool, device=sim_image.device)
-        not_self[torch.arange(b), torch.arange(b) + g.rank * b] = False
+            tau1 = tau2 = tau.detach().expand(b)
+            tau1_all = tau2_all = tau.detach().expand(big_b)
+        ops = Operands(
+            image_features, text_features, e1_all, e2_all, tau1, tau2, tau1_all, tau2_all, g.rank * b
+        )
+        stats = statistics(ops)  # one streaming pass: nothing of size b×B is kept
         log_norm = math.log(big_b - 1)
-
-        # local half: g for this rank's anchors against all B negatives
-        c1, s1, sd1 = _shifted_sums(sim_image, positives, tau1, not_self)
-        c2, s2, sd2 = _shifted_sums(sim_text, positives, tau2, not_self)
-        log_g1, log_g2 = c1 + s1.log() - log_norm, c2 + s2.log() - log_norm
+        log_g1 = stats.row_c1 + stats.row_s1.log() - log_norm  # log g for the local anchors
+        log_g2 = stats.row_c2 + stats.row_s2.log() - log_norm
 
         gamma = self.gamma()
         new_rows = rows[local].clone()
-        log_u1 = _update_log_u(rows[local, col("log_u1")], log_g1.detach(), gamma)
-        log_u2 = _update_log_u(rows[local, col("log_u2")], log_g2.detach(), gamma)
+        log_u1 = _update_log_u(rows[local, col("log_u1")], log_g1, gamma)
+        log_u2 = _update_log_u(rows[local, col("log_u2")], log_g2, gamma)
         new_rows[:, col("log_u1")], new_rows[:, col("log_u2")] = log_u1, log_u2
-        log_den1 = torch.logaddexp(log_u1, torch.full_like(log_u1, self.log_eps))  # log(u + eps)
-        log_den2 = torch.logaddexp(log_u2, torch.full_like(log_u2, self.log_eps))
+        log_eps = torch.tensor(self.log_eps, dtype=log_u1.dtype, device=log_u1.device)
+        log_den1, log_den2 = torch.logaddexp(log_u1, log_eps), torch.logaddexp(log_u2, log_eps)  # log(u+eps)
         if self.individual:
-            self._step_individual_tau(new_rows, (tau1, tau2), (c1, c2), (sd1, sd2), (log_den1, log_den2))
+            self._step_individual_tau(
+                new_rows, (tau1, tau2), (stats.row_c1, stats.row_c2), (stats.row_sd1, stats.row_sd2),
+                (log_den1, log_den2),
+            )  # fmt: skip
         new_all = g.gather(new_rows, purpose="state_update")  # [B, F]: every pair's new state
         self.state.stage(idx_all, new_all)
 
-        # remote half: all B anchors against this rank's pairs as negatives (gradient through those)
-        log_eps = torch.tensor(self.log_eps, dtype=new_all.dtype)
+        # Phi's coefficients: local rows g/(u+eps) and, for all B anchors, (B/b)·ĝ/(u+eps), halved and meaned
         log_den1_all = torch.logaddexp(new_all[:, col("log_u1")], log_eps)
         log_den2_all = torch.logaddexp(new_all[:, col("log_u2")], log_eps)
-        rc1, rs1, _ = _shifted_sums(sim_text.T, positives_all, tau1_all, not_self.T)
-        rc2, rs2, _ = _shifted_sums(sim_image.T, positives_all, tau2_all, not_self.T)
         log_remote = math.log(big_b / b) - log_norm
+        w1, w2 = (tau1, tau2) if self.individual else (1.0, 1.0)  # RGCL weighs each anchor by its tau
+        w1_all, w2_all = (tau1_all, tau2_all) if self.individual else (1.0, 1.0)
+        coef = {
+            "r1": 0.5 / b * w1 * torch.exp(stats.row_c1 - log_norm - log_den1),
+            "r2": 0.5 / b * w2 * torch.exp(stats.row_c2 - log_norm - log_den2),
+            "q1": 0.5 / big_b * w1_all * torch.exp(stats.col_c1 + log_remote - log_den1_all),
+            "q2": 0.5 / big_b * w2_all * torch.exp(stats.col_c2 + log_remote - log_den2_all),
+        }
+        learn_tau = tau is not None and tau.requires_grad
+        tau_input = tau if learn_tau else image_features.new_zeros(())
+        phi = Surrogate.apply(image_features, text_features, tau_input, ops, stats, coef, learn_tau)
 
-        ratio1 = s1 * torch.exp(c1 - log_norm - log_den1)  # g1/(u1+eps), local anchors
-        ratio2 = s2 * torch.exp(c2 - log_norm - log_den2)
-        remote1 = rs1 * torch.exp(rc1 + log_remote - log_den1_all)  # (B/b)·ĝ1/(u1+eps), all anchors
-        remote2 = rs2 * torch.exp(rc2 + log_remote - log_den2_all)
-        if self.individual:  # RGCL weighs each anchor's term by its own temperature
-            ratio1, ratio2 = tau1 * ratio1, tau2 * ratio2
-            remote1, remote2 = tau1_all * remote1, tau2_all * remote2
-        phi = 0.5 * ((ratio1 + ratio2).mean() + (remote1 + remote2).mean())
-
-        log_eps_g1 = torch.logaddexp(log_g1.detach(), log_eps)  # log(eps + g)
-        log_eps_g2 = torch.logaddexp(log_g2.detach(), log_eps)
+        log_eps_g1 = torch.logaddexp(log_g1, log_eps)  # log(eps + g)
+        log_eps_g2 = torch.logaddexp(log_g2, log_eps)
         metrics = {"gamma": gamma, "state/log_u_mean": float(0.5 * (log_u1 + log_u2).mean())}
         if self.rgcl_g:
             # tau_d·Phi + rho·tau + tau·1/2·mean(log(u+eps)): its gradient is RGCL-g's (SPEC's L_v3)
@@ -196,19 +194,6 @@ class CompositionalLoss(ContrastiveLoss):
 
     def load_state(self, folder) -> None:
         self.state.load(folder)
-
-
-def _shifted_sums(sim, positives, tau, mask):
-    """Per row (anchor) of d = (sim - positive)/tau over the unmasked entries: the detached row maximum c,
-    s = sum exp(d - c) (with gradient) and sum exp(d - c)·d (detached, for the temperature gradient)."""
-    tau = tau.unsqueeze(-1) if tau.ndim == 1 else tau
-    d = (sim - positives.unsqueeze(-1)) / tau
-    c = torch.where(mask, d, -math.inf).amax(dim=1).detach()
-    c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))  # a row with no negatives (b = 1)
-    weights = torch.exp(torch.where(mask, d - c.unsqueeze(-1), -math.inf))
-    s = weights.sum(dim=1)
-    sd = (weights * torch.where(mask, d, 0.0)).sum(dim=1).detach()
-    return c, s, sd
 
 
 def _update_log_u(log_u_old: torch.Tensor, log_g: torch.Tensor, gamma: float) -> torch.Tensor:
