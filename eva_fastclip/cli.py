@@ -88,6 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deepspeed-config", default="ds_configs/zero1_bf16_lamb.json", help="our engine's JSON")
     p.add_argument("--output", default="runs/bench/speed.json", help="JSON file for all step times")
     p.set_defaults(func=cmd_bench_speed)
+
+    p = sub.add_parser(
+        "bench-loss",
+        help="loss-step peak memory and collective bytes: ours against OpenCLIP's ClipLoss, over B and ranks",
+    )
+    p.add_argument("--quick", action="store_true", help="a small grid (K 1-2, B 256-512)")
+    p.add_argument("--dim", type=int, default=512, help="embedding width")
+    p.add_argument("--output", default="runs/bench/loss_memory.json", help="JSON file for all results")
+    p.set_defaults(func=cmd_bench_loss)
     return parser
 
 
@@ -197,6 +206,13 @@ def cmd_bench_speed(args) -> int:
     print(format_report(results), flush=True)
     print(f"full results: {results['output']}", flush=True)
     return 0
+
+
+def cmd_bench_loss(args) -> int:
+    from eva_fastclip.bench import loss_memory
+
+    argv = ["--dim", str(args.dim), "--output", args.output] + (["--quick"] if args.quick else [])
+    return loss_memory.main(argv)
 
 
 def _setup_logging() -> None:

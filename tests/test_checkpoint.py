@@ -1,4 +1,5 @@
-"""Checkpoint bookkeeping: only marked folders count; a save that dies mid-way never hides the last good one."""
+"""Checkpoint bookkeeping: only marked folders count; a save that dies mid-way never hides the last good
+one."""
 
 import json
 

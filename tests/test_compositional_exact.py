@@ -74,6 +74,7 @@ def test_rgcl_g_v3():
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-12)
     assert out.metrics["loss/objective"] == pytest.approx(rgcl_g(e1, e2, 1 / theta.exp()).item(), rel=1e-9)
+    assert out.metrics["loss/gcl"] == pytest.approx(gcl(e1, e2, 1 / theta.exp()).item(), rel=1e-9)
 
 
 @pytest.mark.parametrize("name", ["isogclr", "fastclip_v2"])

@@ -81,10 +81,11 @@ class CompositionalLoss(ContrastiveLoss):
     def forward(self, image_features, text_features, logit_scale, indices) -> LossOutput:
         g = self.gatherer
         b = image_features.shape[0]
-        both = g.gather(torch.stack([image_features, text_features], dim=1), purpose="features")  # [B, 2, d]
-        e1_all, e2_all = both[:, 0], both[:, 1]
+        # two gathers rather than one of a stacked copy: contiguous [B, d] operands, no extra B×2×d buffer
+        e1_all = g.gather(image_features, purpose="features")
+        e2_all = g.gather(text_features, purpose="features")
         idx_all = g.gather(indices, purpose="indices")
-        big_b = both.shape[0]
+        big_b = e1_all.shape[0]
         if big_b < 2:
             raise ValueError("the global contrastive loss needs at least 2 pairs per step across ranks")
         local = slice(g.rank * b, (g.rank + 1) * b)
@@ -163,6 +164,8 @@ class CompositionalLoss(ContrastiveLoss):
         if not self.individual:
             metrics["temperature"] = float(tau.detach())
         metrics["loss/objective"] = objective
+        # the batch's GCL, mean 1/2[log(eps+g1) + log(eps+g2)]: comparable across variants and temperatures
+        metrics["loss/gcl"] = float(0.5 * (log_eps_g1 + log_eps_g2).mean())
         metrics["loss/surrogate"] = float(phi.detach())
         return LossOutput(loss, metrics)
 

@@ -103,6 +103,8 @@ def statistics(ops: Operands) -> Stats:
                     torch.where(mask, d - safe, -math.inf)
                 ).sum(dim=0)
                 col_c[k] = c
+            # free this block before the generator builds the next: two blocks alive would double the peak
+            del _, d1, d2, dhat2, dhat1, mask, d, c, w, block_c, safe
     return Stats(
         rows["c1"], rows["s1"], rows["sd1"], rows["c2"], rows["s2"], rows["sd2"],
         _finite(col_c[0]), col_s[0], _finite(col_c[1]), col_s[1],
@@ -149,10 +151,12 @@ class Surrogate(torch.autograd.Function):
                 grad_tau = grad_tau - (
                     (p1 * torch.where(mask, d1, 0.0)).sum() + (p2 * torch.where(mask, d2, 0.0)).sum()
                 )
+            del _, d1, d2, dhat2, dhat1, mask, p1, p2, q1, q2, grad_a, grad_t  # (as in statistics)
         grad_tau = grad_tau / ops.tau1[0] if ctx.tau_is_global else None
+        # in place: two more b×d copies would be the largest buffers of the whole loss step
         return (
-            grad_out * grad_e1,
-            grad_out * grad_e2,
+            grad_e1.mul_(grad_out),
+            grad_e2.mul_(grad_out),
             (grad_out * grad_tau if ctx.tau_is_global else None),
             None,
             None,

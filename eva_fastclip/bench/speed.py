@@ -1,0 +1,327 @@
+"""Training-step speed: our DeepSpeed step against OpenCLIP's own step, with and without 50% masking.
+
+Four contestants, (ours, openclip) x (patch dropout 0.0, 0.5), share one process, one architecture, one
+batch size and one precision (bf16). Each is warmed up, then the timed steps are interleaved round-robin
+(one step of each contestant per round, the starting contestant rotating), so a slow phase of the machine
+hits all four alike. Reported: the median step time of each, samples/s, and two kinds of ratios: ours over
+OpenCLIP at equal masking, and each side's speed-up from masking. On CPU only the ratios mean anything.
+
+- **ours**: ``Trainer.train_step`` — the DeepSpeed engine (ZeRO-1, bf16 module, LAMB by default:
+  ``ds_configs/zero1_bf16_lamb.json``), our loss in fp32, ``engine.backward``, ``engine.step``, hooks.
+- **openclip**: the step of open_clip's trainer (``open_clip_train/train.py``) with its defaults: an fp32
+  model under ``torch.autocast(bfloat16)`` for forward and ``ClipLoss``, ``loss.backward()``,
+  ``torch.optim.AdamW`` over open_clip's parameter groups, ``zero_grad``, logit_scale clamped to [0, ln 100].
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MASKS = (0.0, 0.5)
+DEFAULT_DS_CONFIG = "ds_configs/zero1_bf16_lamb.json"
+
+# open_clip_train's defaults for ViT models (params.py: get_default_params) and its step's clamp
+OPENCLIP_LR, OPENCLIP_BETAS, OPENCLIP_EPS, OPENCLIP_WD = 5e-4, (0.9, 0.98), 1e-6, 0.2
+LOGIT_SCALE_MAX = math.log(100.0)
+
+
+# ---- data ---------------------------------------------------------------------------------------------
+
+
+class SyntheticLoader:
+    """The same pre-built batch again and again: what ``Trainer`` needs from a loader, and nothing more."""
+
+    def __init__(self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], num_batches: int) -> None:
+        self.batch = batch
+        self.num_batches = num_batches
+        self.dataset_size = int(batch[2].max()) + 1  # indices are 0..B-1
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+    def __iter__(self):
+        for _ in range(self.num_batches):
+            yield self.batch
+
+
+def synthetic_batch(
+    batch_size: int, image_size: tuple[int, int], context_length: int, vocab_size: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random images (fp32, normalised-looking), random token ids, indices 0..B-1."""
+    gen = torch.Generator().manual_seed(seed)
+    images = torch.randn(batch_size, 3, *image_size, generator=gen)
+    tokens = torch.randint(1, vocab_size, (batch_size, context_length), generator=gen, dtype=torch.long)
+    return images, tokens, torch.arange(batch_size)
+
+
+def _image_size(model: torch.nn.Module) -> tuple[int, int]:
+    size = model.visual.image_size
+    return (size, size) if isinstance(size, int) else tuple(size)
+
+
+# ---- contestants --------------------------------------------------------------------------------------
+
+
+class OpenClipStep:
+    """OpenCLIP's training step (accum_freq 1, amp_bf16, no grad clipping: open_clip_train's defaults)."""
+
+    def __init__(self, arch: str, patch_dropout: float) -> None:
+        import open_clip
+
+        import eva_fastclip.models  # noqa: F401  (registers the shipped toy architectures with open_clip)
+
+        self.model = open_clip.create_model(
+            arch, force_patch_dropout=patch_dropout, pretrained_text=False, output_dict=True
+        )
+        self.model.train()
+        self.loss = open_clip.loss.ClipLoss()
+        # open_clip_train/main.py: no weight decay on gains, biases and the temperature
+        exclude = lambda n, p: p.ndim < 2 or "bn" in n or "ln" in n or "bias" in n or "logit_scale" in n  # noqa: E731
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            [
+                {"params": [p for n, p in named if exclude(n, p)], "weight_decay": 0.0},
+                {"params": [p for n, p in named if not exclude(n, p)], "weight_decay": OPENCLIP_WD},
+            ],
+            lr=OPENCLIP_LR,
+            betas=OPENCLIP_BETAS,
+            eps=OPENCLIP_EPS,
+        )
+        self.device_type = "cpu" if not torch.cuda.is_available() else "cuda"
+        self.device = torch.device(self.device_type)
+        self.model.to(self.device)
+
+    def step(self, images: torch.Tensor, tokens: torch.Tensor, indices: torch.Tensor) -> float:
+        images = images.to(self.device, non_blocking=True)
+        tokens = tokens.to(self.device, non_blocking=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device_type=self.device_type, dtype=torch.bfloat16):
+            out = self.model(images, tokens)
+            loss = self.loss(out["image_features"], out["text_features"], out["logit_scale"])
+        loss.backward()
+        self.optimizer.step()
+        with torch.no_grad():
+            self.model.logit_scale.clamp_(0, LOGIT_SCALE_MAX)
+        return loss.item()
+
+    def close(self) -> None:
+        pass
+
+
+class OursStep:
+    """Our ``Trainer.train_step``, on a Trainer built from the default recipe with a synthetic loader."""
+
+    def __init__(
+        self,
+        arch: str,
+        patch_dropout: float,
+        batch_size: int,
+        batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        output_dir: str,
+        ds_config_path: str = DEFAULT_DS_CONFIG,
+    ) -> None:
+        from eva_fastclip.config import load_config
+        from eva_fastclip.engine.setup import load_deepspeed_config
+        from eva_fastclip.engine.trainer import Trainer
+
+        cfg = load_config(
+            None,
+            [
+                f"model.name={arch}",
+                f"model.patch_dropout={patch_dropout}",
+                "loss.name=openclip",  # the same loss as OpenCLIP's ClipLoss: the step is what we compare
+                f"train.batch_size={batch_size}",
+                "train.steps=1000000",
+                f"train.deepspeed_config={ds_config_path}",
+                f"train.output_dir={output_dir}",
+                "train.log_every_steps=1000000",
+                "eval.every_steps=0",  # and no zero-shot / retrieval sets: evaluation off
+            ],
+        )
+        self.trainer = Trainer(cfg, load_deepspeed_config(ds_config_path), loader=SyntheticLoader(batch, 1))
+
+    def step(self, images: torch.Tensor, tokens: torch.Tensor, indices: torch.Tensor) -> float:
+        metrics = self.trainer.train_step(images, tokens, indices)
+        self.trainer.step += 1
+        return metrics["loss"]
+
+    def close(self) -> None:
+        if self.trainer.writer is not None:
+            self.trainer.writer.close()
+
+
+# ---- the run ------------------------------------------------------------------------------------------
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _versions() -> dict[str, str]:
+    import deepspeed
+    import open_clip
+    import timm
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "deepspeed": deepspeed.__version__,
+        "open_clip": open_clip.__version__,
+        "timm": timm.__version__,
+    }
+
+
+def contestant_name(side: str, mask: float) -> str:
+    return f"{side} mask={mask:g}"
+
+
+def run_speed_benchmark(
+    model: str = "ViT-B-16",
+    batch_size: int = 8,
+    steps: int = 5,
+    warmup: int = 2,
+    ds_config: str = DEFAULT_DS_CONFIG,
+    output: str | Path | None = "runs/bench/speed.json",
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Build the four contestants, warm them up, time ``steps`` interleaved rounds; return (and write) the
+    results."""
+    import open_clip
+    from tqdm import tqdm
+
+    import eva_fastclip.models  # noqa: F401  (registers the shipped toy architectures with open_clip)
+
+    if steps < 1 or warmup < 0 or batch_size < 1:
+        raise ValueError("bench-speed needs --steps >= 1, --warmup >= 0 and --batch-size >= 1")
+    if model not in open_clip.list_models():
+        raise ValueError(f"--model {model!r} is not an open_clip architecture")
+    threads = os.cpu_count() or 1
+    torch.set_num_threads(threads)
+
+    contestants: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="eva_fastclip_bench_") as tmp:
+        batch = None
+        for mask in MASKS:
+            name = contestant_name("openclip", mask)
+            contestants[name] = OpenClipStep(model, mask)
+            if batch is None:  # built once, before any timing, from the architecture's own sizes
+                oc = contestants[name].model
+                context_length = open_clip.get_tokenizer(model).context_length
+                batch = synthetic_batch(batch_size, _image_size(oc), context_length, oc.vocab_size)
+        for mask in MASKS:
+            name = contestant_name("ours", mask)
+            contestants[name] = OursStep(
+                model, mask, batch_size, batch, str(Path(tmp) / f"ours_{mask:g}"), ds_config
+            )
+        order = [contestant_name(side, mask) for mask in MASKS for side in ("ours", "openclip")]
+        contestants = {name: contestants[name] for name in order}
+
+        # the Trainer sets the thread count from LOCAL_WORLD_SIZE: make sure every contestant runs with ours
+        torch.set_num_threads(threads)
+
+        losses: dict[str, list[float]] = {name: [] for name in order}
+        for name, contestant in contestants.items():
+            for _ in range(warmup):
+                losses[name].append(contestant.step(*batch))
+
+        times: dict[str, list[float]] = {name: [] for name in order}
+        rounds = tqdm(range(steps), desc="bench-speed", unit="round", disable=not progress)
+        for r in rounds:
+            for k in range(len(order)):
+                name = order[(r + k) % len(order)]  # rotate who goes first
+                if torch.get_num_threads() != threads:
+                    raise RuntimeError(f"torch thread count changed to {torch.get_num_threads()} mid-run")
+                start = time.perf_counter()
+                loss = contestants[name].step(*batch)
+                times[name].append(time.perf_counter() - start)
+                losses[name].append(loss)
+        for contestant in contestants.values():
+            contestant.close()
+
+    results_by_name = {}
+    for name in order:
+        median = statistics.median(times[name])
+        results_by_name[name] = {
+            "step_times_s": times[name],
+            "median_s": median,
+            "min_s": min(times[name]),
+            "samples_per_s": batch_size / median,
+            "losses": losses[name],
+        }
+    med = {name: r["median_s"] for name, r in results_by_name.items()}
+    o0, o5 = contestant_name("ours", 0.0), contestant_name("ours", 0.5)
+    c0, c5 = contestant_name("openclip", 0.0), contestant_name("openclip", 0.5)
+    ratios = {
+        "ours_over_openclip_mask0": med[c0] / med[o0],
+        "ours_over_openclip_mask0.5": med[c5] / med[o5],
+        "masking_speedup_ours": med[o0] / med[o5],
+        "masking_speedup_openclip": med[c0] / med[c5],
+    }
+    results = {
+        "config": {
+            "model": model,
+            "batch_size": batch_size,
+            "rounds": steps,
+            "warmup_steps": warmup,
+            "masks": list(MASKS),
+            "image_size": list(batch[0].shape[-2:]),
+            "context_length": int(batch[1].shape[1]),
+            "ours": f"Trainer.train_step, {ds_config} (DeepSpeed engine, bf16 module, fp32 loss)",
+            "openclip": "open_clip model fp32 + torch.autocast(bf16), ClipLoss, torch.optim.AdamW "
+            f"(lr {OPENCLIP_LR}, betas {OPENCLIP_BETAS}, eps {OPENCLIP_EPS}, wd {OPENCLIP_WD})",
+            "timing": "time.perf_counter around one step; rounds interleave the four contestants "
+            "round-robin, the first one rotating each round; median per contestant",
+        },
+        "contestants": results_by_name,
+        "ratios": ratios,
+        "environment": {
+            **_versions(),
+            "cpu_model": _cpu_model(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": threads,
+            "cuda": torch.cuda.is_available(),
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        },
+    }
+    if output is not None:
+        path = Path(output)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=2))
+        results["output"] = str(path)
+    return results
+
+
+def format_report(results: dict[str, Any]) -> str:
+    cfg, env = results["config"], results["environment"]
+    lines = [
+        f"{cfg['model']}, batch {cfg['batch_size']}, bf16, {cfg['rounds']} interleaved rounds "
+        f"(median), {env['torch_threads']} threads, {env['cpu_model']}",
+        f"{'contestant':<20} {'median s/step':>14} {'samples/s':>10}",
+    ]
+    for name, r in results["contestants"].items():
+        lines.append(f"{name:<20} {r['median_s']:>14.3f} {r['samples_per_s']:>10.2f}")
+    ratios = results["ratios"]
+    lines += [
+        f"ours / openclip, mask 0:    {ratios['ours_over_openclip_mask0']:.2f}x",
+        f"ours / openclip, mask 0.5:  {ratios['ours_over_openclip_mask0.5']:.2f}x",
+        f"masking speed-up, ours:     {ratios['masking_speedup_ours']:.2f}x",
+        f"masking speed-up, openclip: {ratios['masking_speedup_openclip']:.2f}x",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,420 @@
+"""Webdataset loaders: the training stream and the ordered evaluation loaders.
+
+The training stream is endless inside each loader worker and cut to exactly ``num_batches`` per rank and
+epoch: a rank that stopped early would leave the others waiting in a collective forever.
+
+- Epoch-wise: every rank shuffles the shard list identically from (seed, epoch, pass) and takes its
+  rank x worker share; a worker that finishes its share starts the next pass. With at least as many
+  shards as rank x worker consumers and evenly sized data, pass 0 covers the epoch: every sample once.
+- Resampled: shards are drawn with replacement, weighted per source, seeded by (seed, epoch, rank, worker).
+
+The shuffle buffer restarts with every pass, so samples of the next pass never overtake this one's.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import itertools
+import logging
+import math
+import multiprocessing
+import os
+import random
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import braceexpand
+import PIL.Image
+import torch
+import webdataset as wds
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from .shards import manifest_totals, read_manifest
+
+logger = logging.getLogger(__name__)
+
+IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
+_IMAGE_FIELD = ";".join(IMAGE_KEYS)  # webdataset's "first of these keys" syntax
+_MAX_FAILURES_IN_A_ROW = 1000
+_WARNINGS_PER_PROCESS = 10
+
+Preprocess = Callable[[PIL.Image.Image], Tensor]
+Tokenize = Callable[[list[str]], Tensor]
+
+
+def expand_urls(patterns: str | Sequence[str]) -> list[str]:
+    """Shard URLs from brace patterns ("dir/shard-{000000..000007}.tar"), "::"-joined lists and folders.
+
+    A folder expands to the shards its manifest.json lists (or, without a manifest, its ``*.tar`` files).
+    Local paths must exist: a typo fails here with FileNotFoundError, not later inside a loader worker.
+    """
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    urls: list[str] = []
+    for pattern in patterns:
+        for part in pattern.split("::"):
+            if part.strip():
+                urls.extend(_expand_pattern(part.strip()))
+    return urls
+
+
+def _is_remote(url: str) -> bool:
+    return "://" in url or url.startswith("pipe:")
+
+
+def _expand_pattern(pattern: str) -> list[str]:
+    if _is_remote(pattern):
+        return list(braceexpand.braceexpand(pattern))
+    if os.path.isdir(pattern):
+        return _shards_in_folder(pattern)
+    urls = list(braceexpand.braceexpand(pattern))
+    _require_files(urls, f"shard pattern {pattern!r}")
+    return urls
+
+
+def _shards_in_folder(folder: str) -> list[str]:
+    manifest = read_manifest(folder)
+    if manifest is not None:
+        urls = [os.path.join(folder, name) for name in manifest["shards"]]
+        _require_files(urls, f"{os.path.join(folder, 'manifest.json')}")
+    else:
+        urls = sorted(glob.glob(os.path.join(glob.escape(folder), "*.tar")))
+    if not urls:
+        raise FileNotFoundError(
+            f"{folder}: no shards (neither a manifest.json listing shards nor *.tar files)"
+        )
+    return urls
+
+
+def _require_files(paths: list[str], origin: str) -> None:
+    missing = [path for path in paths if not os.path.isfile(path)]
+    if missing:
+        raise FileNotFoundError(
+            f"{origin}: {len(missing)} of {len(paths)} shards do not exist (first: {missing[0]})"
+        )
+
+
+def _worker_info() -> tuple[int, int]:
+    """(worker id, number of workers) of the current DataLoader worker; (0, 1) in the main process."""
+    info = torch.utils.data.get_worker_info()
+    return (0, 1) if info is None else (info.id, info.num_workers)
+
+
+def _first_line(text: str) -> str:
+    return text.strip().split("\n", 1)[0].strip()
+
+
+class _FailureLog:
+    """Webdataset exception handler: skips unreadable samples, counts them, stops a stream that only fails.
+
+    The count lives in shared memory created before the DataLoader starts its workers, so the skips of
+    every worker add up. A long run of failures with no good sample in between (e.g. every image in a
+    format PIL cannot decode) raises instead of skipping forever.
+    """
+
+    def __init__(self, max_in_a_row: int) -> None:
+        self._total = multiprocessing.Value("q", 0)
+        self._in_a_row = 0  # per process
+        self._warned = 0
+        self.max_in_a_row = max_in_a_row
+
+    @property
+    def total(self) -> int:
+        return int(self._total.value)
+
+    def __call__(self, exn: Exception) -> bool:
+        with self._total.get_lock():
+            self._total.value += 1
+        if self._warned < _WARNINGS_PER_PROCESS:
+            self._warned += 1
+            logger.warning("skipping unreadable sample: %s", repr(exn)[:500])
+        self._count_failure(repr(exn)[:500])
+        return True
+
+    def note_empty_shard(self, url: str) -> None:
+        self._count_failure(f"{url} holds no samples")
+
+    def note_success(self) -> None:
+        self._in_a_row = 0
+
+    def _count_failure(self, what: str) -> None:
+        self._in_a_row += 1
+        if self._in_a_row >= self.max_in_a_row:
+            raise RuntimeError(
+                f"{self._in_a_row} samples or shards in a row could not be read (last: {what}); "
+                "the data is missing, corrupt or in a format PIL cannot decode"
+            )
+
+
+class TrainLoader:
+    """Training batches ``(images [b,3,H,W] float, tokens [b,ctx] long, indices [b] int64)`` from shards.
+
+    Every rank yields exactly ``num_batches`` full batches per epoch. ``indices`` are the samples' stable
+    dataset indices, read from ``.json[index_key]``. Call :meth:`set_epoch` before iterating each epoch.
+    """
+
+    def __init__(
+        self,
+        sources: Sequence[str],
+        *,
+        preprocess: Preprocess,
+        tokenize: Tokenize,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        resampled: bool = False,
+        weights: Sequence[float] | None = None,
+        num_samples: int | None = None,
+        shuffle_buffer: int = 1000,
+        workers: int = 2,
+        index_key: str = "index",
+    ) -> None:
+        if isinstance(sources, str):
+            sources = [sources]
+        if (
+            batch_size < 1
+            or world_size < 1
+            or not 0 <= rank < world_size
+            or workers < 0
+            or shuffle_buffer < 0
+        ):
+            raise ValueError(
+                f"invalid loader settings: batch_size={batch_size}, rank={rank}, world_size={world_size}, "
+                f"workers={workers}, shuffle_buffer={shuffle_buffer}"
+            )
+        self.preprocess = preprocess
+        self.tokenize = tokenize
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.resampled = resampled
+        self.shuffle_buffer = shuffle_buffer
+        self.workers = workers
+        self.index_key = index_key
+        self.epoch = 0
+
+        per_source = [expand_urls(source) for source in sources]
+        self.urls = [url for urls in per_source for url in urls]
+        if not self.urls:
+            raise ValueError(f"no shards in {list(sources)}")
+        if weights is not None and not resampled:
+            raise ValueError("per-source weights need resampled=True (data.resampled)")
+        self._cum_weights = self._shard_cum_weights(per_source, weights) if resampled else None
+
+        totals = manifest_totals(self.urls)
+        if num_samples is None:
+            if totals is None:
+                raise ValueError(
+                    f"cannot tell how many samples {list(sources)} hold (no manifest.json lists all "
+                    "their shards); set data.num_samples"
+                )
+            num_samples = totals.num_samples
+        self.num_samples = num_samples
+        # Size of per-sample state tables; without manifests the indices are assumed to be < num_samples.
+        self.dataset_size = totals.dataset_size if totals is not None else num_samples
+        self.num_batches = num_samples // (batch_size * world_size)
+        if self.num_batches < 1:
+            raise ValueError(
+                f"{num_samples} samples per epoch do not fill one batch of {batch_size} on each of "
+                f"{world_size} ranks; lower the batch size or raise data.num_samples"
+            )
+        consumers = world_size * max(workers, 1)
+        if not resampled and len(self.urls) < consumers:
+            warnings.warn(
+                f"{len(self.urls)} shards for {world_size} ranks x {max(workers, 1)} loader workers: "
+                "consumers will share shards, so samples repeat within an epoch; write smaller shards "
+                "or use fewer workers",
+                stacklevel=2,
+            )
+        self._failures = _FailureLog(max_in_a_row=_MAX_FAILURES_IN_A_ROW + shuffle_buffer)
+
+    @staticmethod
+    def _shard_cum_weights(per_source: list[list[str]], weights: Sequence[float] | None) -> list[float]:
+        """Cumulative per-shard weights: a source's weight is its share of draws, split over its shards."""
+        if weights is None:
+            return list(itertools.accumulate(1.0 for urls in per_source for _ in urls))
+        if len(weights) != len(per_source) or any(w < 0 for w in weights) or sum(weights) <= 0:
+            raise ValueError(
+                f"weights {list(weights)} must be one non-negative number per source, not all zero"
+            )
+        return list(itertools.accumulate(w / len(urls) for w, urls in zip(weights, per_source) for _ in urls))
+
+    @property
+    def skipped(self) -> int:
+        """Unreadable samples skipped so far, summed over all loader workers and epochs."""
+        return self._failures.total
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+        batches_per_worker = math.ceil(self.num_batches / max(self.workers, 1))
+        pipeline = wds.DataPipeline(
+            functools.partial(self._raw_samples, self.epoch),
+            wds.decode("pil", handler=self._failures),
+            wds.map(self._to_example),
+            wds.batched(self.batch_size, collation_fn=self._collate, partial=False),
+        ).with_epoch(batches_per_worker)
+        loader = DataLoader(pipeline, batch_size=None, num_workers=self.workers, persistent_workers=False)
+        # The workers together make >= num_batches; the cut makes every rank yield exactly num_batches.
+        yield from itertools.islice(loader, self.num_batches)
+
+    def _raw_samples(self, epoch: int) -> Iterator[dict[str, Any]]:
+        """This rank's and worker's endless stream of undecoded samples for ``epoch``."""
+        worker, num_workers = _worker_info()
+        if self.resampled:
+            rng = random.Random(f"resampled:{self.seed}:{epoch}:{self.rank}:{worker}")
+            shards = (rng.choices(self.urls, cum_weights=self._cum_weights)[0] for _ in itertools.count())
+            yield from self._shuffled(self._read(shards), rng)
+            return
+        consumer = self.rank * num_workers + worker
+        consumers = self.world_size * num_workers
+        for pass_number in itertools.count():
+            order = list(self.urls)
+            random.Random(f"shards:{self.seed}:{epoch}:{pass_number}").shuffle(order)  # same on every rank
+            # With too few shards, consumers share them rather than run dry.
+            mine = order[consumer::consumers] if len(order) >= consumers else [order[consumer % len(order)]]
+            rng = random.Random(f"samples:{self.seed}:{epoch}:{pass_number}:{self.rank}:{worker}")
+            yield from self._shuffled(self._read(mine), rng)
+
+    def _read(self, shard_urls: Iterable[str]) -> Iterator[dict[str, Any]]:
+        for url in shard_urls:
+            count = 0
+            for sample in wds.tarfile_samples([{"url": url}], handler=self._failures):
+                count += 1
+                yield sample
+            if count == 0:
+                self._failures.note_empty_shard(url)
+
+    def _shuffled(self, samples: Iterator[dict[str, Any]], rng: random.Random) -> Iterator[dict[str, Any]]:
+        if self.shuffle_buffer <= 1:
+            return samples
+        return wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer, rng=rng)(samples)
+
+    def _to_example(self, sample: dict[str, Any]) -> tuple[Tensor, str, int]:
+        # Missing fields are a data-format problem, so they raise instead of being skipped as corrupt.
+        where = f"shard {sample.get('__url__')}, sample {sample.get('__key__')!r}"
+        image = next((sample[key] for key in IMAGE_KEYS if key in sample), None)
+        if image is None:
+            raise ValueError(f"{where}: no image (.jpg/.jpeg/.png/.webp)")
+        if "txt" not in sample:
+            raise ValueError(f"{where}: no caption (.txt)")
+        meta = sample.get("json")
+        if not isinstance(meta, dict) or self.index_key not in meta:
+            raise ValueError(
+                f"{where}: its .json has no {self.index_key!r} (the stable dataset index); "
+                "write the shards with make-shards or set data.index_key"
+            )
+        index = meta[self.index_key]
+        if not isinstance(index, int) or not 0 <= index < self.dataset_size:
+            raise ValueError(
+                f"{where}: {self.index_key}={index!r} is not an integer in [0, {self.dataset_size}); "
+                "is the manifest.json stale, or data.num_samples too small for data without manifests?"
+            )
+        self._failures.note_success()
+        return self.preprocess(image), _first_line(sample["txt"]), index
+
+    def _collate(self, examples: list[tuple[Tensor, str, int]]) -> tuple[Tensor, Tensor, Tensor]:
+        images, captions, indices = zip(*examples)
+        return torch.stack(images), self.tokenize(list(captions)), torch.tensor(indices, dtype=torch.int64)
+
+
+def _warn_and_skip(exn: Exception) -> bool:
+    logger.warning("evaluation: skipping unreadable sample: %s", repr(exn)[:500])
+    return True
+
+
+def _ordered_pipeline(urls: list[str], *stages: Any) -> wds.DataPipeline:
+    """Shards in the given order, split between loader workers, decoded to PIL; every sample once."""
+    return wds.DataPipeline(
+        wds.SimpleShardList(urls),
+        wds.split_by_worker,
+        wds.tarfile_to_samples(handler=_warn_and_skip),
+        wds.decode("pil", handler=_warn_and_skip),
+        *stages,
+    )
+
+
+def _collate_image_text(tokenize: Tokenize, examples: list[tuple[Tensor, str]]) -> tuple[Tensor, Tensor]:
+    images, captions = zip(*examples)
+    return torch.stack(images), tokenize(list(captions))
+
+
+def _collate_image_label(examples: list[tuple[Tensor, int]]) -> tuple[Tensor, Tensor]:
+    images, labels = zip(*examples)
+    return torch.stack(images), torch.tensor(labels, dtype=torch.int64)
+
+
+def build_retrieval_loader(
+    sources: str | Sequence[str],
+    *,
+    preprocess: Preprocess,
+    tokenize: Tokenize,
+    batch_size: int,
+    workers: int = 0,
+) -> Iterable[tuple[Tensor, Tensor]]:
+    """``(images, tokens)`` batches of image-text pairs, each sample once, unshuffled (in shard order when
+    ``workers`` is 0); the caption is the first line of the sample's .txt."""
+    pipeline = _ordered_pipeline(
+        expand_urls(sources),
+        wds.to_tuple(_IMAGE_FIELD, "txt"),
+        wds.map_tuple(preprocess, _first_line),
+        wds.batched(batch_size, collation_fn=functools.partial(_collate_image_text, tokenize), partial=True),
+    )
+    return DataLoader(pipeline, batch_size=None, num_workers=workers)
+
+
+def _check_label(num_classes: int, label: int) -> int:
+    if not 0 <= label < num_classes:
+        raise ValueError(
+            f"class label {label} outside [0, {num_classes}): classnames.txt does not match the shards"
+        )
+    return label
+
+
+def _read_lines(path: Path) -> list[str]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found (clip_benchmark layout expected)")
+    lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    return [line for line in lines if line]
+
+
+def build_classification_loader(
+    dataset_dir: str | os.PathLike,
+    *,
+    preprocess: Preprocess,
+    batch_size: int,
+    workers: int = 0,
+) -> tuple[Iterable[tuple[Tensor, Tensor]], list[str], list[str]]:
+    """A clip_benchmark-layout classification set: ``(loader of (images, labels), classnames, templates)``.
+
+    Reads ``dataset_dir/test/*.tar`` ({key}.jpg/png/webp + {key}.cls), ``classnames.txt`` and
+    ``zeroshot_classification_templates.txt`` (one template per line, with a "{c}" placeholder).
+    """
+    root = Path(dataset_dir)
+    shards = sorted(glob.glob(os.path.join(glob.escape(str(root / "test")), "*.tar")))
+    if not shards:
+        raise FileNotFoundError(f"{root / 'test'}: no *.tar shards (clip_benchmark layout expected)")
+    classnames = _read_lines(root / "classnames.txt")
+    templates = _read_lines(root / "zeroshot_classification_templates.txt")
+    bad = [template for template in templates if "{c}" not in template]
+    if bad or not templates:
+        raise ValueError(
+            f"{root / 'zeroshot_classification_templates.txt'}: every line needs a {{c}} placeholder"
+        )
+    pipeline = _ordered_pipeline(
+        shards,
+        wds.to_tuple(_IMAGE_FIELD, "cls"),
+        wds.map_tuple(preprocess, functools.partial(_check_label, len(classnames))),
+        wds.batched(batch_size, collation_fn=_collate_image_label, partial=True),
+    )
+    return DataLoader(pipeline, batch_size=None, num_workers=workers), classnames, templates

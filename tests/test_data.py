@@ -1,0 +1,474 @@
+"""Data layer: toy dataset, make-shards, and the webdataset loaders on real tar shards."""
+
+import collections
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import open_clip
+import pytest
+import torch
+from PIL import Image
+from torchvision import transforms
+
+from eva_fastclip.data import (
+    TOY_CLASSNAMES,
+    TrainLoader,
+    build_classification_loader,
+    build_retrieval_loader,
+    expand_urls,
+    read_manifest,
+    write_manifest,
+    write_shard,
+    write_shards,
+    write_toy_dataset,
+)
+from eva_fastclip.data import pipeline as pipeline_module
+from eva_fastclip.data.toy import COLORS
+
+PREPROCESS = transforms.Compose([transforms.Resize((8, 8)), transforms.ToTensor()])
+
+
+@pytest.fixture(scope="module")
+def tokenize():
+    return open_clip.get_tokenizer("ViT-B-32")
+
+
+@pytest.fixture(scope="module")
+def toy_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("toy")
+    write_toy_dataset(
+        out, num_train=40, num_val=12, num_zeroshot=40, image_size=32, samples_per_shard=16, seed=3
+    )
+    return out
+
+
+def tar_members(path) -> dict[str, bytes]:
+    with tarfile.open(path) as tar:
+        return {member.name: tar.extractfile(member).read() for member in tar.getmembers()}
+
+
+# --- images whose pixels encode their index, so the loaders can be checked end to end -------------------
+
+
+def index_png(index: int) -> bytes:
+    image = Image.new("RGB", (16, 16), (index % 256, index // 256, 200))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def index_from_image(image: torch.Tensor) -> int:
+    red, green = (round(float(channel.mean()) * 255) for channel in image[:2])
+    return red + 256 * green
+
+
+def make_indexed_shards(tmp_path: Path, count: int, per_shard: int, corrupt: tuple[int, ...] = ()) -> Path:
+    """``count`` samples (captions "sample {i}") via write_shards; rows in ``corrupt`` get garbage PNGs."""
+    images = tmp_path / "images"
+    images.mkdir(parents=True)
+    rows = ["image,caption"]
+    for i in range(count):
+        data = b"\x89PNG\r\n\x1a\n garbage" if i in corrupt else index_png(i)
+        (images / f"{i}.png").write_bytes(data)
+        rows.append(f"{i}.png,sample {i}")
+    (tmp_path / "captions.csv").write_text("\n".join(rows) + "\n")
+    out = tmp_path / "shards"
+    write_shards(
+        images, tmp_path / "captions.csv", out, samples_per_shard=per_shard, verify_images=not corrupt
+    )
+    return out
+
+
+def check_batch(batch, tokenize, batch_size: int) -> list[int]:
+    """Asserts shapes and that image, caption and index of every row belong together; returns indices."""
+    images, tokens, indices = batch
+    assert images.shape == (batch_size, 3, 8, 8) and images.dtype == torch.float32
+    assert tokens.shape == (batch_size, 77) and tokens.dtype == torch.long
+    assert indices.shape == (batch_size,) and indices.dtype == torch.int64
+    for image, row_tokens, index in zip(images, tokens, indices.tolist()):
+        assert index_from_image(image) == index
+        assert torch.equal(row_tokens, tokenize([f"sample {index}"])[0])
+    return indices.tolist()
+
+
+# --- toy dataset ----------------------------------------------------------------------------------------
+
+
+def test_toy_layout_and_manifests(toy_dir):
+    train = read_manifest(toy_dir / "train")
+    assert train["format"] == "eva_fastclip-shards" and train["version"] == 1
+    assert train["shards"] == ["shard-000000.tar", "shard-000001.tar", "shard-000002.tar"]
+    assert train["samples_per_shard"] == [16, 16, 8]
+    assert (train["num_samples"], train["index_min"], train["index_max"], train["skipped"]) == (40, 0, 39, 0)
+    val = read_manifest(toy_dir / "val" / "manifest.json")
+    assert (val["num_samples"], val["index_min"], val["index_max"]) == (12, 40, 51)  # continues train's
+
+    members = tar_members(toy_dir / "train" / "shard-000001.tar")
+    assert len(members) == 16 * 3
+    for name, data in members.items():
+        if name.endswith(".json"):
+            meta = json.loads(data)
+            key = name.removesuffix(".json")
+            assert meta["key"] == key and int(key) == meta["index"] and 16 <= meta["index"] < 32
+            assert members[f"{key}.txt"].decode() == meta["caption"]
+            assert meta["color"] in meta["caption"] and meta["shape"] in meta["caption"]
+            assert TOY_CLASSNAMES[meta["label"]] == f"{meta['color']} {meta['shape']}"
+            image = Image.open(io.BytesIO(members[f"{key}.png"]))
+            assert image.size == (32, 32)
+
+    zeroshot = tar_members(toy_dir / "zeroshot" / "test" / "0.tar")
+    labels = sorted((name, int(data)) for name, data in zeroshot.items() if name.endswith(".cls"))
+    assert len(labels) == 40 and [label for _, label in labels] == [i % 20 for i in range(40)]
+    classnames = (toy_dir / "zeroshot" / "classnames.txt").read_text().splitlines()
+    assert classnames == TOY_CLASSNAMES and len(set(classnames)) == 20
+    templates = (toy_dir / "zeroshot" / "zeroshot_classification_templates.txt").read_text().splitlines()
+    assert templates and all("{c}" in template for template in templates)
+
+
+def test_toy_images_show_the_captioned_colour(toy_dir):
+    members = tar_members(toy_dir / "train" / "shard-000000.tar")
+    for name, data in members.items():
+        if name.endswith(".json"):
+            meta = json.loads(data)
+            pixels = np.asarray(Image.open(io.BytesIO(members[name.replace(".json", ".png")])).convert("RGB"))
+            distance = np.abs(pixels.astype(int) - np.array(COLORS[meta["color"]])).sum(axis=-1)
+            assert (distance < 70).sum() >= 20, meta  # a clearly visible object of the named colour
+
+
+def test_toy_is_deterministic(tmp_path):
+    sizes = dict(num_train=8, num_val=4, num_zeroshot=20, image_size=16, samples_per_shard=4)
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        write_toy_dataset(tmp_path / name, seed=seed, **sizes)
+    for relative in ("train/shard-000001.tar", "val/shard-000000.tar", "zeroshot/test/0.tar"):
+        assert (tmp_path / "a" / relative).read_bytes() == (tmp_path / "b" / relative).read_bytes()
+        assert (tmp_path / "a" / relative).read_bytes() != (tmp_path / "c" / relative).read_bytes()
+
+
+# --- make-shards ----------------------------------------------------------------------------------------
+
+
+def test_write_shards_csv_stable_indices_and_skips(tmp_path):
+    images = tmp_path / "images"
+    images.mkdir()
+    for i in range(6):
+        (images / f"{i}.png").write_bytes(index_png(i))
+    jpeg = io.BytesIO()
+    Image.new("RGB", (8, 8), "red").save(jpeg, format="JPEG")
+    (images / "photo.jpeg").write_bytes(jpeg.getvalue())
+    (images / "broken.png").write_bytes(b"not an image")
+    rows = ["0.png", "1.png", "missing.png", "2.png", "broken.png", "photo.jpeg", "3.png"]
+    lines = ["caption,image"] + [f'"caption, {n}",{name}' for n, name in enumerate(rows)]
+    (tmp_path / "captions.csv").write_text("\n".join(lines) + "\n")
+
+    manifest = write_shards(
+        images, tmp_path / "captions.csv", tmp_path / "out", samples_per_shard=2, start_index=100
+    )
+    assert manifest == read_manifest(tmp_path / "out")
+    assert manifest["skipped"] == 2 and manifest["num_samples"] == 5
+    assert manifest["shards"] == ["shard-000000.tar", "shard-000001.tar", "shard-000002.tar"]
+    assert manifest["samples_per_shard"] == [2, 2, 1]
+    assert (manifest["index_min"], manifest["index_max"]) == (100, 106)
+
+    members = {}
+    for shard in manifest["shards"]:
+        members.update(tar_members(tmp_path / "out" / shard))
+    metas = [json.loads(data) for name, data in sorted(members.items()) if name.endswith(".json")]
+    assert [meta["index"] for meta in metas] == [100, 101, 103, 105, 106]  # gaps where rows were skipped
+    assert [meta["caption"] for meta in metas] == [f"caption, {n}" for n in (0, 1, 3, 5, 6)]
+    assert members["000000105.jpg"] == jpeg.getvalue()  # stored as-is, .jpeg -> jpg
+    assert members["000000103.png"] == index_png(2)
+    assert not list((tmp_path / "out").glob("*.tmp"))
+
+    # Re-running gives the same shards byte for byte.
+    write_shards(images, tmp_path / "captions.csv", tmp_path / "again", samples_per_shard=2, start_index=100)
+    assert tar_members(tmp_path / "again" / "shard-000001.tar") == tar_members(
+        tmp_path / "out" / "shard-000001.tar"
+    )
+
+
+def test_write_shards_jsonl(tmp_path):
+    images = tmp_path / "images"
+    images.mkdir()
+    for i in range(3):
+        (images / f"{i}.png").write_bytes(index_png(i))
+    lines = [json.dumps({"file": f"{i}.png", "text": f"sample {i}", "extra": i}) for i in range(3)]
+    (tmp_path / "captions.jsonl").write_text(lines[0] + "\n\n" + "\n".join(lines[1:]) + "\n")
+    manifest = write_shards(
+        images, tmp_path / "captions.jsonl", tmp_path / "out", image_column="file", caption_column="text"
+    )
+    assert manifest["num_samples"] == 3 and manifest["skipped"] == 0 and manifest["index_max"] == 2
+    members = tar_members(tmp_path / "out" / "shard-000000.tar")
+    assert members["000000002.txt"] == b"sample 2"
+    assert json.loads(members["000000001.json"])["index"] == 1
+
+
+def test_write_shards_rejects_malformed_captions_before_writing(tmp_path):
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "a.png").write_bytes(index_png(0))
+    (tmp_path / "no_column.csv").write_text("image,text\na.png,hello\n")
+    with pytest.raises(ValueError, match=r"no_column\.csv, line 1: .*'caption'"):
+        write_shards(tmp_path / "images", tmp_path / "no_column.csv", tmp_path / "out")
+    (tmp_path / "short_row.csv").write_text("image,caption\na.png,hello\na.png\n")
+    with pytest.raises(ValueError, match=r"short_row\.csv, line 3"):
+        write_shards(tmp_path / "images", tmp_path / "short_row.csv", tmp_path / "out")
+    good = json.dumps({"image": "a.png", "caption": "hello"})
+    (tmp_path / "bad.jsonl").write_text(f"{good}\n{good}\n{{not json\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl, line 3: invalid JSON"):
+        write_shards(tmp_path / "images", tmp_path / "bad.jsonl", tmp_path / "out")
+    (tmp_path / "missing_key.jsonl").write_text(f'{good}\n{{"image": "a.png"}}\n')
+    with pytest.raises(ValueError, match=r"missing_key\.jsonl, line 2: .*'caption'"):
+        write_shards(tmp_path / "images", tmp_path / "missing_key.jsonl", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# --- expand_urls ----------------------------------------------------------------------------------------
+
+
+def test_expand_urls(tmp_path):
+    shards = make_indexed_shards(tmp_path, count=12, per_shard=4)
+    names = [str(shards / f"shard-00000{i}.tar") for i in range(3)]
+    assert expand_urls(str(shards / "shard-{000000..000002}.tar")) == names
+    assert expand_urls(f"{names[2]}::{shards}/shard-00000{{0,1}}.tar") == [names[2], names[0], names[1]]
+    assert expand_urls([str(shards), names[0]]) == names + [names[0]]
+    assert expand_urls("s3://bucket/shard-{0..2}.tar") == [f"s3://bucket/shard-{i}.tar" for i in range(3)]
+    with pytest.raises(FileNotFoundError, match=r"1 of 4 shards do not exist"):
+        expand_urls(str(shards / "shard-{000000..000003}.tar"))
+    with pytest.raises(FileNotFoundError, match="no shards"):
+        expand_urls(str(tmp_path / "images"))
+
+
+# --- training loader ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_train_epoch_covers_every_index_once_across_ranks(tmp_path, tokenize, workers):
+    shards = make_indexed_shards(tmp_path, count=64, per_shard=8)
+    seen = []
+    for rank in range(2):
+        loader = TrainLoader(
+            [str(shards)],
+            preprocess=PREPROCESS,
+            tokenize=tokenize,
+            batch_size=4,
+            rank=rank,
+            world_size=2,
+            seed=5,
+            shuffle_buffer=16,
+            workers=workers,
+        )
+        assert (loader.num_samples, loader.dataset_size, loader.num_batches) == (64, 64, 8)
+        loader.set_epoch(1)
+        batches = list(loader)
+        assert len(batches) == loader.num_batches
+        for batch in batches:
+            seen += check_batch(batch, tokenize, 4)
+    assert sorted(seen) == list(range(64))
+    assert seen[:16] != sorted(seen[:16])  # shuffled
+
+
+def test_train_ranks_never_run_dry(tmp_path, tokenize):
+    # 3 shards for 2 ranks x 2 workers, and an epoch longer than the data: every rank still gets full batches.
+    shards = make_indexed_shards(tmp_path, count=20, per_shard=8)
+    for rank in range(2):
+        with pytest.warns(UserWarning, match="share shards"):
+            loader = TrainLoader(
+                [str(shards)],
+                preprocess=PREPROCESS,
+                tokenize=tokenize,
+                batch_size=3,
+                rank=rank,
+                world_size=2,
+                num_samples=54,
+                shuffle_buffer=5,
+                workers=2,
+            )
+        assert loader.num_batches == 9 and loader.dataset_size == 20  # not a multiple of the workers
+        batches = list(loader)
+        assert len(batches) == 9
+        indices = [index for batch in batches for index in check_batch(batch, tokenize, 3)]
+        assert set(indices) <= set(range(20))
+
+
+def test_train_order_depends_on_seed_and_epoch_only(tmp_path, tokenize):
+    shards = make_indexed_shards(tmp_path, count=32, per_shard=4)
+
+    def epoch_indices(epoch, seed=0, rank=0, world_size=1):
+        loader = TrainLoader(
+            [str(shards)],
+            preprocess=PREPROCESS,
+            tokenize=tokenize,
+            batch_size=4,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+            workers=0,
+        )
+        loader.set_epoch(epoch)
+        return [index for _, _, indices in loader for index in indices.tolist()]
+
+    first = epoch_indices(0)
+    assert sorted(first) == list(range(32))
+    assert epoch_indices(0) == first
+    assert epoch_indices(1) != first and epoch_indices(0, seed=1) != first
+    # Which shards a rank reads changes from epoch to epoch too, not just their order.
+    assert set(epoch_indices(0, rank=0, world_size=2)) != set(epoch_indices(1, rank=0, world_size=2))
+
+
+def test_train_resampled_weights_mix_sources(tmp_path, tokenize):
+    source_a = make_indexed_shards(tmp_path / "a", count=16, per_shard=4)
+    source_b = tmp_path / "b"
+    source_b.mkdir()
+    samples_b = [  # a second caption line must be ignored: the loaders use the first line
+        {"__key__": f"b{i}", "png": index_png(i), "txt": f"sample {i}\nanother caption", "json": {"index": i}}
+        for i in range(16, 32)
+    ]
+    write_shard(source_b / "shard-000000.tar", samples_b)
+    write_manifest(source_b, shards=["shard-000000.tar"], samples_per_shard=[16], index_min=16, index_max=31)
+
+    def sample_indices(weights, epoch=0):
+        loader = TrainLoader(
+            [str(source_a), str(source_b)],
+            preprocess=PREPROCESS,
+            tokenize=tokenize,
+            batch_size=8,
+            resampled=True,
+            weights=weights,
+            shuffle_buffer=8,
+            workers=0,
+        )
+        assert (loader.num_samples, loader.dataset_size, loader.num_batches) == (32, 32, 4)
+        loader.set_epoch(epoch)
+        return [index for batch in loader for index in check_batch(batch, tokenize, 8)]
+
+    assert all(index >= 16 for index in sample_indices([0.0, 1.0]))
+    assert all(index < 16 for index in sample_indices([1.0, 0.0]))
+    mixed = sample_indices([1.0, 1.0])
+    assert mixed == sample_indices([1.0, 1.0]) and mixed != sample_indices([1.0, 1.0], epoch=1)
+    with pytest.raises(ValueError, match="resampled"):
+        TrainLoader([str(source_a)], preprocess=PREPROCESS, tokenize=tokenize, batch_size=8, weights=[1.0])
+
+
+def test_corrupt_image_is_skipped_and_counted(tmp_path, tokenize):
+    shards = make_indexed_shards(tmp_path, count=9, per_shard=9, corrupt=(3,))
+    loader = TrainLoader(
+        [str(shards)], preprocess=PREPROCESS, tokenize=tokenize, batch_size=4, shuffle_buffer=0, workers=0
+    )
+    indices = [index for batch in loader for index in check_batch(batch, tokenize, 4)]
+    assert sorted(indices) == [0, 1, 2, 4, 5, 6, 7, 8]
+    assert loader.skipped == 1
+
+
+def test_skips_are_summed_over_worker_processes(tmp_path, tokenize):
+    # One corrupt sample in each of two shards; each worker reads one shard.
+    shards = make_indexed_shards(tmp_path, count=10, per_shard=5, corrupt=(2, 7))
+    loader = TrainLoader(
+        [str(shards)], preprocess=PREPROCESS, tokenize=tokenize, batch_size=4, shuffle_buffer=0, workers=2
+    )
+    indices = [index for batch in loader for index in check_batch(batch, tokenize, 4)]
+    assert sorted(indices) == [0, 1, 3, 4, 5, 6, 8, 9]
+    assert loader.skipped == 2
+
+
+def test_unreadable_shard_is_skipped(tmp_path, tokenize):
+    shards = make_indexed_shards(tmp_path, count=8, per_shard=8)
+    broken = tmp_path / "broken.tar"
+    broken.write_bytes(b"\x00garbage" * 100)
+    loader = TrainLoader(
+        [str(shards), str(broken)],
+        preprocess=PREPROCESS,
+        tokenize=tokenize,
+        batch_size=4,
+        num_samples=16,
+        shuffle_buffer=0,
+        workers=0,
+    )
+    indices = [index for batch in loader for index in check_batch(batch, tokenize, 4)]
+    assert len(indices) == 16 and set(indices) <= set(range(8))
+    assert loader.skipped >= 1
+
+
+def test_data_that_never_decodes_fails_loudly(tmp_path, tokenize, monkeypatch):
+    monkeypatch.setattr(pipeline_module, "_MAX_FAILURES_IN_A_ROW", 20)
+    shards = make_indexed_shards(tmp_path, count=4, per_shard=4, corrupt=(0, 1, 2, 3))
+    loader = TrainLoader(
+        [str(shards)], preprocess=PREPROCESS, tokenize=tokenize, batch_size=2, shuffle_buffer=0, workers=0
+    )
+    with pytest.raises(RuntimeError, match="in a row could not be read"):
+        list(loader)
+    # Many failures are fine as long as good samples keep coming between them.
+    spread = make_indexed_shards(tmp_path / "spread", count=48, per_shard=48, corrupt=tuple(range(0, 48, 2)))
+    loader = TrainLoader(
+        [str(spread)], preprocess=PREPROCESS, tokenize=tokenize, batch_size=2, shuffle_buffer=0, workers=0
+    )
+    assert len(list(loader)) == 24 and loader.skipped >= 48  # two passes, plus read-ahead
+
+
+def test_sample_without_index_is_a_format_error(tmp_path, tokenize):
+    write_shard(
+        tmp_path / "shard-000000.tar",
+        [{"__key__": f"k{i}", "png": index_png(i), "txt": "x", "json": {"id": i}} for i in range(4)],
+    )
+    write_manifest(tmp_path, shards=["shard-000000.tar"], samples_per_shard=[4], index_min=0, index_max=3)
+    loader = TrainLoader([str(tmp_path)], preprocess=PREPROCESS, tokenize=tokenize, batch_size=2, workers=0)
+    with pytest.raises(ValueError, match=r"shard-000000\.tar, sample 'k\d'.*has no 'index'"):
+        list(loader)
+
+
+def test_train_loader_needs_a_sample_count(tmp_path, tokenize):
+    write_shard(
+        tmp_path / "data.tar", [{"__key__": "k", "png": index_png(0), "txt": "x", "json": {"index": 0}}]
+    )
+    with pytest.raises(ValueError, match="set data.num_samples"):
+        TrainLoader([str(tmp_path / "data.tar")], preprocess=PREPROCESS, tokenize=tokenize, batch_size=1)
+    with pytest.raises(ValueError, match="do not fill one batch"):
+        TrainLoader(
+            [str(tmp_path / "data.tar")],
+            preprocess=PREPROCESS,
+            tokenize=tokenize,
+            batch_size=4,
+            num_samples=3,
+        )
+
+
+def test_train_loader_on_toy_data(toy_dir, tokenize):
+    loader = TrainLoader(
+        [str(toy_dir / "train")], preprocess=PREPROCESS, tokenize=tokenize, batch_size=8, workers=0
+    )
+    indices = torch.cat([batch[2] for batch in loader])
+    assert loader.num_batches == 5 and sorted(indices.tolist()) == list(range(40))
+
+
+# --- evaluation loaders ---------------------------------------------------------------------------------
+
+
+def test_retrieval_loader_yields_every_pair_once_in_order(toy_dir, tokenize):
+    loader = build_retrieval_loader(
+        str(toy_dir / "val"), preprocess=PREPROCESS, tokenize=tokenize, batch_size=5
+    )
+    batches = list(loader)
+    assert [images.shape[0] for images, _ in batches] == [5, 5, 2]
+    captions = {}
+    for name, data in tar_members(toy_dir / "val" / "shard-000000.tar").items():
+        if name.endswith(".json"):
+            meta = json.loads(data)
+            captions[meta["index"]] = meta["caption"]
+    expected = tokenize([captions[index] for index in sorted(captions)])
+    assert torch.equal(torch.cat([tokens for _, tokens in batches]), expected)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_classification_loader(toy_dir, workers):
+    loader, classnames, templates = build_classification_loader(
+        toy_dir / "zeroshot", preprocess=PREPROCESS, batch_size=16, workers=workers
+    )
+    assert classnames == TOY_CLASSNAMES and templates[0] == "a photo of a {c}."
+    labels = []
+    for images, batch_labels in loader:
+        assert images.shape[1:] == (3, 8, 8) and batch_labels.dtype == torch.int64
+        labels += batch_labels.tolist()
+    assert collections.Counter(labels) == {label: 2 for label in range(20)}
+    if workers == 0:
+        assert labels == [i % 20 for i in range(40)]
