@@ -30,15 +30,35 @@ class ModelConfig:
     """Fraction of patch tokens dropped at random in training (FLIP, EVA-CLIP: 0.5); never at eval."""
     grad_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    unmasked_final_steps: int = 0
+    """The last N optimizer steps train without patch dropout (EVA-CLIP's optional unmasked phase)."""
+    vision_checkpoint: str | None = None
+    """Local EVA MIM checkpoint for the vision tower (EVA repo, timm or open_clip format); docs/eva.md."""
+    text_checkpoint: str | None = None
+    """Local text-tower weights: an open_clip checkpoint or OpenAI's CLIP file with the same text tower."""
+    text_hf_model: str | None = None
+    """Local folder of a Hugging Face text encoder (config, weights, tokenizer) to use as the text tower."""
+    lock_text: bool = False
+    """Freeze the text tower (LiT-style locked-text tuning)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.patch_dropout < 1.0:
             raise ConfigError(f"model.patch_dropout must be in [0, 1), got {self.patch_dropout}")
-        if self.pretrained is not None and not Path(self.pretrained).is_file():
+        _positive("model.unmasked_final_steps", self.unmasked_final_steps, allow_zero=True)
+        for key in ("pretrained", "vision_checkpoint", "text_checkpoint"):
+            value = getattr(self, key)
+            if value is not None and not Path(value).is_file():
+                raise ConfigError(
+                    f"model.{key}={value!r} is not a local file; eva_fastclip never downloads "
+                    "weights: point it at a checkpoint on disk or set it to null"
+                )
+        if self.text_hf_model is not None and not (Path(self.text_hf_model) / "config.json").is_file():
             raise ConfigError(
-                f"model.pretrained={self.pretrained!r} is not a local file; eva_fastclip never downloads "
-                "weights: point it at an open_clip checkpoint on disk or set it to null"
+                f"model.text_hf_model={self.text_hf_model!r} is not a local Hugging Face model folder "
+                "(no config.json in it); nothing is downloaded: export the model to a folder first"
             )
+        if self.text_hf_model is not None and self.text_checkpoint is not None:
+            raise ConfigError("model.text_hf_model and model.text_checkpoint both set: choose one text tower")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -217,10 +237,31 @@ class OptimConfig:
     """Linear warm-up length in optimizer steps, then cosine decay to lr * min_lr_ratio."""
     min_lr_ratio: float = 0.0
     """Final learning rate as a fraction of the peak."""
+    visual_lr: float | None = None
+    """Peak lr of the vision tower (EVA-CLIP B/16: 2e-4); null: optim.lr."""
+    text_lr: float | None = None
+    """Peak lr of the text tower (EVA-CLIP B/16: 2e-5); null: optim.lr."""
+    visual_weight_decay: float | None = None
+    """Weight decay of the vision tower's weight matrices; null: optim.weight_decay."""
+    text_weight_decay: float | None = None
+    """Weight decay of the text tower's weight matrices; null: optim.weight_decay."""
+    visual_layer_decay: float = 1.0
+    """Layer-wise lr decay of the vision tower: lr * decay^(L+1-l) for layer l of its L blocks (0.75)."""
+    text_layer_decay: float = 1.0
+    """Layer-wise lr decay of the text tower (EVA-CLIP: 0.75)."""
 
     def __post_init__(self) -> None:
         _positive("optim.lr", self.lr)
         _positive("optim.weight_decay", self.weight_decay, allow_zero=True)
+        for tower in ("visual", "text"):
+            lr, wd = getattr(self, f"{tower}_lr"), getattr(self, f"{tower}_weight_decay")
+            if lr is not None:
+                _positive(f"optim.{tower}_lr", lr)
+            if wd is not None:
+                _positive(f"optim.{tower}_weight_decay", wd, allow_zero=True)
+            decay = getattr(self, f"{tower}_layer_decay")
+            if not 0.0 < decay <= 1.0:
+                raise ConfigError(f"optim.{tower}_layer_decay must be in (0, 1], got {decay}")
         _positive("optim.warmup_steps", self.warmup_steps, allow_zero=True)
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")

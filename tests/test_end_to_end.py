@@ -138,7 +138,7 @@ def test_resume_continues_from_the_saved_step(run):
     assert kept == ["step_00000030", "step_00000040"]  # keep_checkpoints=2
     # logged after step s: the lr of the next step, schedule(s); the resumed run went on along the
     # schedule of its own length instead of warming up again
-    lrs = scalars(run["out"], "train/lr/decay")
+    lrs = scalars(run["out"], "train/lr/visual")
     for step in (31, 35, 39):
         assert lrs[step] == pytest.approx(
             1e-3 * warmup_cosine(step, warmup=5, total=40, min_ratio=0.0), rel=1e-4

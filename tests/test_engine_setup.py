@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eva_fastclip.config import BatchLayout, ConfigError, load_config
+from eva_fastclip.config import BatchLayout, ConfigError, OptimConfig, load_config
 from eva_fastclip.engine.setup import (
     autocast_dtype,
     build_optimizer,
@@ -77,17 +77,23 @@ def test_dtype_and_optimizer_groups():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     model.logit_scale = torch.nn.Parameter(torch.ones(1))
     model.token_embedding = torch.nn.Embedding(10, 4)
-    groups = {g["name"]: g for g in parameter_groups(model, weight_decay=0.1)}
-    decayed = {id(p) for p in groups["decay"]["params"]}
+    groups = parameter_groups(model, OptimConfig(weight_decay=0.1))
+    decayed = {id(p) for g in groups if g["weight_decay"] > 0 for p in g["params"]}
     assert decayed == {id(model[0].weight)}  # biases, norms, embeddings, temperature: no decay
-    assert groups["no_decay"]["weight_decay"] == 0.0
+    assert all(g["weight_decay"] in (0.0, 0.1) for g in groups)
 
-    ds = resolve(load_deepspeed_config(Path("ds_configs/zero1_bf16_lamb.json")))
-    optimizer = build_optimizer(ds, model, cuda=False)
+    cfg = load_config(None, ["train.batch_size=8", "train.grad_accum_steps=2"])
+    ds = resolve(load_deepspeed_config(Path("ds_configs/zero1_bf16_lamb.json")), cfg)
+    optimizer = build_optimizer(ds, model, cfg.optim, cuda=False)
     assert type(optimizer).__name__ == "Lamb"
-    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
-    ds = resolve(load_deepspeed_config(Path("ds_configs/zero1_bf16_adamw.json")))
-    assert isinstance(build_optimizer(ds, model, cuda=False), torch.optim.AdamW)
+    # token_embedding is a text-tower name (no block list: one text group); the rest is in neither tower
+    assert {g["name"]: (g["lr"], g["weight_decay"]) for g in optimizer.param_groups} == {
+        "text.no_decay": (1e-3, 0.0),
+        "other.decay": (1e-3, 0.1),
+        "other.no_decay": (1e-3, 0.0),
+    }
+    ds = resolve(load_deepspeed_config(Path("ds_configs/zero1_bf16_adamw.json")), cfg)
+    assert isinstance(build_optimizer(ds, model, cfg.optim, cuda=False), torch.optim.AdamW)
 
 
 def test_schedule_warms_up_linearly_then_decays_by_cosine():

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from eva_fastclip.config import BatchLayout, ConfigError, ExperimentConfig
+from eva_fastclip.config import BatchLayout, ConfigError, ExperimentConfig, OptimConfig
 from eva_fastclip.models import parameter_groups
+from eva_fastclip.models.param_groups import TEMPERATURE_GROUP
 
 SUPPORTED_OPTIMIZERS = ("Lamb", "AdamW")
 
@@ -116,14 +117,30 @@ def autocast_dtype(ds: dict[str, Any]) -> torch.dtype:
 
 
 def build_optimizer(
-    ds: dict[str, Any], model: nn.Module, *, cuda: bool, temperature_lr: float | None = None
+    ds: dict[str, Any],
+    model: nn.Module,
+    optim: OptimConfig,
+    *,
+    cuda: bool,
+    temperature_lr: float | None = None,
 ) -> torch.optim.Optimizer:
-    """LAMB / AdamW over our parameter groups: DeepSpeed's fused kernels on CUDA, PyTorch ones on CPU."""
+    """LAMB / AdamW over our parameter groups: DeepSpeed's fused kernels on CUDA, PyTorch ones on CPU.
+
+    ``ds`` is the resolved DeepSpeed JSON: its lr is the optimizer's default, while each group carries its
+    own peak lr and weight decay from ``optim`` (per tower, per layer), which the schedule multiplies.
+    """
     kind = ds["optimizer"]["type"]
     params = dict(ds["optimizer"]["params"])
-    groups = parameter_groups(model, weight_decay=params.pop("weight_decay"), temperature_lr=temperature_lr)
+    lr, weight_decay = params.pop("lr"), params.pop("weight_decay")
+    if (lr, weight_decay) != (optim.lr, optim.weight_decay):
+        raise ConfigError(
+            f"DeepSpeed optimizer.params lr={lr}, weight_decay={weight_decay} differ from optim.lr="
+            f"{optim.lr}, optim.weight_decay={optim.weight_decay}: pass the config through "
+            "resolve_deepspeed_config first"
+        )
+    groups = parameter_groups(model, optim, temperature_lr=temperature_lr)
     betas = tuple(params.pop("betas", (0.9, 0.98)))
-    lr, eps = params.pop("lr"), params.pop("eps", 1e-6)
+    eps = params.pop("eps", 1e-6)
     if params:
         raise ConfigError(f"optimizer.params has keys eva_fastclip does not pass on: {sorted(params)}")
     if kind == "Lamb":
@@ -156,7 +173,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ExperimentConfig, tot
     schedule = functools.partial(
         warmup_cosine, warmup=cfg.optim.warmup_steps, total=total_steps, min_ratio=cfg.optim.min_lr_ratio
     )
-    lambdas = [_constant if g.get("name") == "temperature" else schedule for g in optimizer.param_groups]
+    lambdas = [_constant if g.get("name") == TEMPERATURE_GROUP else schedule for g in optimizer.param_groups]
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
 
 
@@ -175,7 +192,7 @@ def initialize_engine(
     import deepspeed
 
     cuda = torch.cuda.is_available()
-    optimizer = build_optimizer(ds, model, cuda=cuda, temperature_lr=temperature_lr)
+    optimizer = build_optimizer(ds, model, cfg.optim, cuda=cuda, temperature_lr=temperature_lr)
     scheduler = build_scheduler(optimizer, cfg, total_steps)
     engine_config = {k: v for k, v in ds.items() if k != "optimizer"}
     engine, _, _, _ = deepspeed.initialize(

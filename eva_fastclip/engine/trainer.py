@@ -27,6 +27,8 @@ from eva_fastclip.engine.evaluate import evaluate_model, format_results
 from eva_fastclip.engine.setup import autocast_dtype, initialize_engine, resolve_deepspeed_config
 from eva_fastclip.losses import Gatherer, build_loss
 from eva_fastclip.models import create_model
+from eva_fastclip.models.kernels import configure_kernels
+from eva_fastclip.models.masking import set_patch_dropout
 from eva_fastclip.temperature import TemperatureController
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,9 @@ class Trainer:
         self.temperature = TemperatureController.from_config(cfg.loss)
         bundle.model.logit_scale.requires_grad_(self.temperature.learns_global)
         self.bundle = bundle
+        kernels = configure_kernels(bundle.model, self.device)  # swaps modules: before the optimizer exists
+        if self.is_main:
+            log.info(kernels.summary())
 
         layout = batch_layout(cfg, self.world_size)
         self.loader = loader or TrainLoader(
@@ -90,6 +95,7 @@ class Trainer:
         )
 
         self.step, self.epoch, self.micro_in_epoch = 0, 0, 0
+        self.unmasked = False
         folder = checkpoint.resolve_resume(resume, self.checkpoint_root)
         if folder is not None:
             self._restore(checkpoint.load_checkpoint(self.engine, folder), folder)
@@ -112,6 +118,7 @@ class Trainer:
         window_start, window_steps = time.perf_counter(), 0
         while self.step < self.total_steps:
             for images, tokens, indices in self._epoch_batches():
+                self._maybe_unmask()
                 metrics = self.train_step(images, tokens, indices)
                 if metrics is None:  # accumulating: no optimizer step yet
                     continue
@@ -162,6 +169,17 @@ class Trainer:
         return {**out.metrics, "loss": out.loss.item(), "step_applied": float(engine.was_step_applied())}
 
     # ---- pieces --------------------------------------------------------------------------------------
+
+    def _maybe_unmask(self) -> None:
+        """EVA-CLIP's unmasked final phase: the last ``model.unmasked_final_steps`` steps see all patches."""
+        final = self.cfg.model.unmasked_final_steps
+        if final and not self.unmasked and self.step >= self.total_steps - final:
+            count = set_patch_dropout(self.engine.module, 0.0)
+            self.unmasked = True
+            if self.is_main:
+                log.info(
+                    "step %d: patch dropout off for the last %d steps (%d modules)", self.step, final, count
+                )
 
     def _after_applied_step(self) -> None:
         """The temperature controller's turn: clamp the global tau, drop its lr once (rgcl_g)."""
@@ -243,8 +261,10 @@ class Trainer:
         if not self.is_main:
             return
         if prefix == "train/":
+            # one curve per tower (its largest lr: the head's), not one per layer group
             for group in self.engine.optimizer.param_groups:
-                metrics[f"lr/{group.get('name', 'group')}"] = group["lr"]
+                key = f"lr/{group.get('name', 'group').split('.')[0]}"
+                metrics[key] = max(metrics.get(key, 0.0), group["lr"])
             metrics["memory_gib"] = memory_in_use_gib()
         for key, value in metrics.items():
             if isinstance(value, (int, float)) and math.isfinite(value):

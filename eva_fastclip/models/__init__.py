@@ -1,5 +1,6 @@
 """Models: open_clip architectures (and the tiny ones shipped here), parameter groups."""
 
+from eva_fastclip.models.eva import VisionLoadReport, load_vision_checkpoint, load_vision_tower
 from eva_fastclip.models.factory import (
     ModelBundle,
     create_model,
@@ -10,7 +11,10 @@ from eva_fastclip.models.param_groups import parameter_groups
 
 __all__ = [
     "ModelBundle",
+    "VisionLoadReport",
     "create_model",
+    "load_vision_checkpoint",
+    "load_vision_tower",
     "make_logit_scale_1d",
     "parameter_groups",
     "to_open_clip_state_dict",

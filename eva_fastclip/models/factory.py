@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from eva_fastclip.config import ModelConfig
+from eva_fastclip.models import text_towers
+from eva_fastclip.models.eva import load_vision_tower
 
 SHIPPED_CONFIGS = Path(__file__).parent / "configs"
 open_clip.add_model_config(SHIPPED_CONFIGS)  # makes the tiny test/demo architectures known by name
@@ -32,18 +34,35 @@ def create_model(cfg: ModelConfig, *, temperature_init: float = 0.07) -> ModelBu
             f"model.name={cfg.name!r} is not an open_clip architecture; known names include "
             f"{', '.join(open_clip.list_models()[:8])}, ... (open_clip.list_models() lists all)"
         )
+    text_kwargs = {}
+    if cfg.text_hf_model is not None:  # the folder's encoder replaces the text tower
+        text_kwargs = text_towers.hf_text_model_kwargs(  # a full CLIP checkpoint brings its own weights
+            cfg.name, cfg.text_hf_model, load_weights=cfg.pretrained is None
+        )
     model, preprocess_train, preprocess_eval = open_clip.create_model_and_transforms(
         cfg.name,
         pretrained=cfg.pretrained,  # a local file or None (checked by ModelConfig): never a download tag
         force_patch_dropout=cfg.patch_dropout,
         pretrained_text=False,  # HF text towers would otherwise fetch weights from the hub
+        **text_kwargs,
     )
+    if cfg.vision_checkpoint is not None:  # EVA MIM weights into the timm trunk; raises on any backbone gap
+        load_vision_tower(model, cfg.vision_checkpoint)
     if cfg.pretrained is None:
         with torch.no_grad():
             model.logit_scale.fill_(math.log(1.0 / temperature_init))
+    if cfg.text_checkpoint is not None:  # OpenCLIP / OpenAI text weights; raises on any transformer gap
+        text_towers.load_text_checkpoint(model, cfg.text_checkpoint)
     make_logit_scale_1d(model)
     model.set_grad_checkpointing(cfg.grad_checkpointing)
-    return ModelBundle(model, preprocess_train, preprocess_eval, open_clip.get_tokenizer(cfg.name))
+    text_towers.set_text_grad_checkpointing(model, cfg.grad_checkpointing)
+    if cfg.lock_text:
+        text_towers.lock_text_tower(model)
+    if cfg.text_hf_model is not None:
+        tokenizer = text_towers.hf_tokenizer(cfg.text_hf_model, text_kwargs["text_cfg"]["context_length"])
+    else:
+        tokenizer = open_clip.get_tokenizer(cfg.name)
+    return ModelBundle(model, preprocess_train, preprocess_eval, tokenizer)
 
 
 def make_logit_scale_1d(model: nn.Module) -> None:
