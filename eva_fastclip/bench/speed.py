@@ -103,17 +103,26 @@ class OpenClipStep:
         self.model.to(self.device)
 
     def step(self, images: torch.Tensor, tokens: torch.Tensor, indices: torch.Tensor) -> float:
+        start = time.perf_counter()
         images = images.to(self.device, non_blocking=True)
         tokens = tokens.to(self.device, non_blocking=True)
         self.optimizer.zero_grad(set_to_none=True)
         with torch.autocast(device_type=self.device_type, dtype=torch.bfloat16):
             out = self.model(images, tokens)
             loss = self.loss(out["image_features"], out["text_features"], out["logit_scale"])
+        forward_done = _synchronized_time()
         loss.backward()
+        backward_done = _synchronized_time()
         self.optimizer.step()
         with torch.no_grad():
             self.model.logit_scale.clamp_(0, LOGIT_SCALE_MAX)
-        return loss.item()
+        value = loss.item()
+        self.phases = {
+            "forward": forward_done - start,
+            "backward": backward_done - forward_done,
+            "optimizer": time.perf_counter() - backward_done,
+        }
+        return value
 
     def close(self) -> None:
         pass
@@ -150,15 +159,43 @@ class OursStep:
             ],
         )
         self.trainer = Trainer(cfg, load_deepspeed_config(ds_config_path), loader=SyntheticLoader(batch, 1))
+        # phase timers around the engine's own backward and step (the trainer calls them by attribute)
+        engine = self.trainer.engine
+        self._marks: dict[str, float] = {}
+        for phase, method in (("backward", engine.backward), ("step", engine.step)):
+            engine.__dict__[phase] = self._timed(phase, method)
+
+    def _timed(self, phase: str, method):
+        def run(*args, **kwargs):
+            self._marks[phase + "_start"] = _synchronized_time()
+            out = method(*args, **kwargs)
+            self._marks[phase + "_end"] = _synchronized_time()
+            return out
+
+        return run
 
     def step(self, images: torch.Tensor, tokens: torch.Tensor, indices: torch.Tensor) -> float:
+        start = time.perf_counter()
         metrics = self.trainer.train_step(images, tokens, indices)
+        end = time.perf_counter()
         self.trainer.step += 1
+        m = self._marks
+        self.phases = {  # forward: the model and the loss; optimizer: the engine's step and our hooks
+            "forward": m["backward_start"] - start,
+            "backward": m["backward_end"] - m["backward_start"],
+            "optimizer": end - m["backward_end"],
+        }
         return metrics["loss"]
 
     def close(self) -> None:
         if self.trainer.writer is not None:
             self.trainer.writer.close()
+
+
+def _synchronized_time() -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 # ---- the run ------------------------------------------------------------------------------------------
@@ -242,6 +279,7 @@ def run_speed_benchmark(
                 losses[name].append(contestant.step(*batch))
 
         times: dict[str, list[float]] = {name: [] for name in order}
+        phases: dict[str, dict[str, list[float]]] = {name: {} for name in order}
         rounds = tqdm(range(steps), desc="bench-speed", unit="round", disable=not progress)
         for r in rounds:
             for k in range(len(order)):
@@ -252,6 +290,8 @@ def run_speed_benchmark(
                 loss = contestants[name].step(*batch)
                 times[name].append(time.perf_counter() - start)
                 losses[name].append(loss)
+                for phase, seconds in contestants[name].phases.items():
+                    phases[name].setdefault(phase, []).append(seconds)
         for contestant in contestants.values():
             contestant.close()
 
@@ -264,6 +304,8 @@ def run_speed_benchmark(
             "min_s": min(times[name]),
             "samples_per_s": batch_size / median,
             "losses": losses[name],
+            "phases_median_s": {k: statistics.median(v) for k, v in phases[name].items()},
+            "phase_times_s": phases[name],
         }
     med = {name: r["median_s"] for name, r in results_by_name.items()}
     o0, o5 = contestant_name("ours", 0.0), contestant_name("ours", 0.5)
@@ -273,6 +315,17 @@ def run_speed_benchmark(
         "ours_over_openclip_mask0.5": med[c5] / med[o5],
         "masking_speedup_ours": med[o0] / med[o5],
         "masking_speedup_openclip": med[c0] / med[c5],
+    }
+    # the model's own work, forward + backward, without the optimizer step
+    compute = {
+        name: r["phases_median_s"]["forward"] + r["phases_median_s"]["backward"]
+        for name, r in results_by_name.items()
+    }
+    ratios |= {
+        "compute_ours_over_openclip_mask0": compute[c0] / compute[o0],
+        "compute_ours_over_openclip_mask0.5": compute[c5] / compute[o5],
+        "compute_masking_speedup_ours": compute[o0] / compute[o5],
+        "compute_masking_speedup_openclip": compute[c0] / compute[c5],
     }
     results = {
         "config": {
@@ -313,15 +366,25 @@ def format_report(results: dict[str, Any]) -> str:
     lines = [
         f"{cfg['model']}, batch {cfg['batch_size']}, bf16, {cfg['rounds']} interleaved rounds "
         f"(median), {env['torch_threads']} threads, {env['cpu_model']}",
-        f"{'contestant':<20} {'median s/step':>14} {'samples/s':>10}",
+        f"{'contestant':<20} {'median s/step':>14} {'samples/s':>10} {'forward':>8} {'backward':>9} "
+        f"{'optimizer':>10}",
     ]
     for name, r in results["contestants"].items():
-        lines.append(f"{name:<20} {r['median_s']:>14.3f} {r['samples_per_s']:>10.2f}")
+        ph = r["phases_median_s"]
+        lines.append(
+            f"{name:<20} {r['median_s']:>14.3f} {r['samples_per_s']:>10.2f} {ph['forward']:>8.3f} "
+            f"{ph['backward']:>9.3f} {ph['optimizer']:>10.3f}"
+        )
     ratios = results["ratios"]
     lines += [
-        f"ours / openclip, mask 0:    {ratios['ours_over_openclip_mask0']:.2f}x",
-        f"ours / openclip, mask 0.5:  {ratios['ours_over_openclip_mask0.5']:.2f}x",
-        f"masking speed-up, ours:     {ratios['masking_speedup_ours']:.2f}x",
-        f"masking speed-up, openclip: {ratios['masking_speedup_openclip']:.2f}x",
+        "speed ratio (>1: ours faster)   whole step   forward+backward",
+        f"ours / openclip, mask 0:        {ratios['ours_over_openclip_mask0']:>9.2f}x "
+        f"{ratios['compute_ours_over_openclip_mask0']:>17.2f}x",
+        f"ours / openclip, mask 0.5:      {ratios['ours_over_openclip_mask0.5']:>9.2f}x "
+        f"{ratios['compute_ours_over_openclip_mask0.5']:>17.2f}x",
+        f"masking speed-up, ours:         {ratios['masking_speedup_ours']:>9.2f}x "
+        f"{ratios['compute_masking_speedup_ours']:>17.2f}x",
+        f"masking speed-up, openclip:     {ratios['masking_speedup_openclip']:>9.2f}x "
+        f"{ratios['compute_masking_speedup_openclip']:>17.2f}x",
     ]
     return "\n".join(lines)

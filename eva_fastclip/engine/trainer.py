@@ -6,6 +6,8 @@ data → resume. One "step" is one optimizer step (``train.grad_accum_steps`` mi
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import logging
 import math
@@ -303,6 +305,7 @@ def init_process_group() -> tuple[int, int, torch.device]:
         # ranks on one machine share its cores: without this each rank starts one thread per core
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        keep_freed_host_memory()
     _default_rendezvous_env()
     deepspeed.init_distributed()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -312,6 +315,29 @@ def init_process_group() -> tuple[int, int, torch.device]:
         accelerator.device_name(local_rank) if accelerator.device_name() != "cpu" else "cpu"
     )
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def keep_freed_host_memory() -> bool:
+    """Make glibc's malloc keep freed memory for reuse instead of handing it back to the OS.
+
+    A training step on CPU allocates the same large buffers every time (gradients, optimizer temporaries,
+    DeepSpeed's copies). By default glibc returns them to the OS when freed, and the next step pays a page
+    fault for every 4 KiB it touches again: for ViT-B-16 at batch 8 on 2 cores that took the optimizer step
+    from 0.7 s to 1.3 s. Returns False where there is no glibc (nothing changes then).
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+    return all(
+        (
+            mallopt(m_trim_threshold, 2**31 - 1),  # never trim the heap's free top
+            mallopt(m_top_pad, 2**30),  # grow the heap in 1 GiB steps
+            mallopt(m_mmap_threshold, 2**25),  # blocks up to 32 MiB from the heap, not fresh mmaps
+        )
+    )
 
 
 def _default_rendezvous_env() -> None:

@@ -32,8 +32,6 @@ shape mismatch raise ``ValueError``.
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import logging
 import re
 from collections.abc import Mapping
@@ -46,10 +44,10 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from timm.models.eva import Eva, checkpoint_filter_fn
 
 from eva_fastclip.config import ConfigError
+from eva_fastclip.models.weights_file import read_weights
 
 _logger = logging.getLogger(__name__)
 
-WRAPPER_KEYS = ("model_ema", "model", "module", "state_dict")  # timm's unwrap order
 BACKBONE_PREFIXES = ("blocks.", "patch_embed.", "pos_embed", "cls_token", "reg_token", "norm_pre.")
 # pretraining-only tensors of MIM checkpoints: the masked-token embedding and the prediction head
 MIM_ONLY_PREFIXES = ("lm_head.", "mask_token")
@@ -101,47 +99,6 @@ def _abbrev(keys: list[str], limit: int = 8) -> str:
     return ", ".join(keys[:limit]) + (f", ... (+{len(keys) - limit})" if len(keys) > limit else "")
 
 
-def read_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Tensors of a local checkpoint file and the wrapper keys (``model``/``module``/...) that were unwrapped.
-
-    ``.safetensors`` needs the safetensors package; anything else goes through ``torch.load`` with
-    ``weights_only=True`` (plus ``argparse.Namespace``, which training scripts often store as ``args``).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"vision checkpoint {path} is not a file")
-    if path.suffix == ".safetensors":
-        if importlib.util.find_spec("safetensors") is None:
-            raise ValueError(f"{path} is a .safetensors file but the safetensors package is not installed")
-        from safetensors.torch import load_file
-
-        obj: object = load_file(str(path), device="cpu")
-    else:
-        try:
-            with torch.serialization.safe_globals([argparse.Namespace]):
-                obj = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # an arbitrary pickle is not unpickled here: it could run code
-            raise ValueError(
-                f"cannot read {path} with torch.load(weights_only=True): {e}. If the file is trusted, "
-                "re-save its state dict: torch.save(torch.load(p, weights_only=False)['model'], 'weights.pt')"
-            ) from e
-    wrappers = []
-    while isinstance(obj, Mapping):
-        inner = next((k for k in WRAPPER_KEYS if isinstance(obj.get(k), Mapping) and obj[k]), None)
-        if inner is None:
-            break
-        wrappers.append(inner)
-        obj = obj[inner]
-    if not isinstance(obj, Mapping):
-        raise ValueError(f"{path} holds a {type(obj).__name__}, not a state dict")
-    state = {k: v for k, v in obj.items() if isinstance(k, str) and isinstance(v, torch.Tensor)}
-    if not state:
-        raise ValueError(f"{path} holds no tensors (top-level keys: {list(obj)[:8]})")
-    if all(k.startswith("module.") for k in state):  # DDP / DeepSpeed wrapping
-        state = {k[len("module.") :]: v for k, v in state.items()}
-    return state, wrappers
-
-
 def detect_format(state: Mapping[str, torch.Tensor]) -> tuple[str, str]:
     """(format name, key prefix of the vision backbone) of a flat state dict; ``unknown`` if not EVA."""
     if "visual.trunk.pos_embed" in state or any(k.startswith("visual.trunk.blocks.") for k in state):
@@ -173,7 +130,8 @@ def load_vision_checkpoint(trunk: Eva, path: str | Path) -> VisionLoadReport:
     """
     if not isinstance(trunk, Eva):
         raise ValueError(f"load_vision_checkpoint needs a timm Eva trunk, got {type(trunk).__name__}")
-    raw, wrappers = read_state_dict(path)
+    weights = read_weights(path)
+    raw, wrappers = weights.tensors, weights.wrappers
     fmt, prefix = detect_format(raw)
     report = VisionLoadReport(path=str(path), source_format=fmt, wrappers=wrappers)
     target = trunk.state_dict()

@@ -10,8 +10,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import pickle
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,14 +18,14 @@ import open_clip
 import torch
 from torch import nn
 
+from eva_fastclip.models.weights_file import read_weights
+
 logger = logging.getLogger(__name__)
 
 # Keys of a flat CLIP state dict that belong to no text tower (OpenAI's file also stores three ints).
 _NON_TEXT_KEYS = frozenset({"logit_scale", "logit_bias", "input_resolution", "context_length", "vocab_size"})
 # Buffers that some checkpoints carry and open_clip / transformers rebuild themselves.
 _REBUILT_BUFFERS = ("attn_mask", "position_ids")
-_WRAPPERS = ("state_dict", "model", "module")
-_PREFIXES = ("module.", "_orig_mod.")  # DDP / DeepSpeed and torch.compile wrappers
 _SHOWN = 6  # keys quoted per problem in error messages
 
 
@@ -47,58 +45,6 @@ class TextLoadReport:
             f"text tower from {self.path} ({self.source_format}): {len(self.loaded)} tensors loaded, "
             f"{len(self.missing)} missing, {len(self.unexpected)} unexpected, {len(self.ignored)} ignored"
         )
-
-
-# ---------------------------------------------------------------------------------------------- reading
-
-
-def _is_torchscript(path: Path) -> bool:
-    # torch.save files are zip archives too; only TorchScript ones hold constants.pkl and code/.
-    if not zipfile.is_zipfile(path):
-        return False
-    with zipfile.ZipFile(path) as archive:
-        return any(name.endswith("/constants.pkl") for name in archive.namelist())
-
-
-def read_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor], str]:
-    """The tensors of a checkpoint file and a word on its format.
-
-    Accepts OpenAI's TorchScript archives, safetensors, and torch.save files holding a state dict,
-    possibly wrapped in ``state_dict`` / ``model`` / ``module`` (open_clip_train saves
-    ``{"state_dict": ...}``) and with ``module.`` prefixes. Non-tensor entries (epoch, name, ...) are dropped.
-    """
-    path = Path(path)
-    if _is_torchscript(path):
-        return dict(torch.jit.load(str(path), map_location="cpu").state_dict()), "TorchScript archive"
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        obj: Any = load_file(str(path), device="cpu")
-        fmt = "safetensors"
-    else:
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=True)  # never unpickle arbitrary code
-        except pickle.UnpicklingError as err:
-            raise ValueError(
-                f"{path}: cannot be read as plain tensors ({err}); save only the state dict "
-                "(torch.save(model.state_dict(), file)) and point the config at that file"
-            ) from err
-        fmt = "state dict"
-    while isinstance(obj, dict):
-        wrapper = next((k for k in _WRAPPERS if isinstance(obj.get(k), dict)), None)
-        if wrapper is None:
-            break
-        obj, fmt = obj[wrapper], f"state dict in {wrapper!r}"
-    if not isinstance(obj, dict):
-        raise ValueError(f"{path}: holds a {type(obj).__name__}, not a state dict")
-    out = {}
-    for key, value in obj.items():
-        if not isinstance(value, torch.Tensor):
-            continue
-        while key.startswith(_PREFIXES):
-            key = key.split(".", 1)[1]
-        out[key] = value
-    return out, fmt
 
 
 # ----------------------------------------------------------------------------------------- name mapping
@@ -166,7 +112,8 @@ def load_text_checkpoint(model: nn.Module, path: str | Path, *, strict: bool = T
     Tensors are cast to the model's dtype (OpenAI's weights are fp16). The vision tower is not touched.
     """
     path = Path(path)
-    checkpoint, fmt = read_state_dict(path)
+    weights = read_weights(path)
+    checkpoint, fmt = weights.tensors, weights.describe()
     source = _text_state_dict_of_checkpoint(checkpoint)
     prefix = text_tower_prefix(model)
     target = {k[len(prefix) :]: v for k, v in model.state_dict().items() if is_text_key(model, k)}
@@ -207,7 +154,7 @@ def load_text_checkpoint(model: nn.Module, path: str | Path, *, strict: bool = T
             f"{path}: text tower keys differ from this model's: missing {_quote(report.missing) or 'none'}; "
             f"unexpected {_quote(report.unexpected) or 'none'}"
         )
-    if fmt == "TorchScript archive" and not _uses_quick_gelu(model):
+    if weights.container == "TorchScript archive" and not _uses_quick_gelu(model):
         logger.warning(
             "%s is OpenAI's CLIP file, trained with QuickGELU, but this model uses GELU: "
             "pick the architecture's -quickgelu variant to keep its features",
