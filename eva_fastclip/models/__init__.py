@@ -1,4 +1,5 @@
-"""Models: open_clip architectures (and the tiny ones shipped here), parameter groups."""
+"""Models: open_clip architectures (and the tiny ones shipped here), EVA and text-tower weights from local
+files, parameter groups, the token-masking switch and kernel selection."""
 
 from eva_fastclip.models.eva import VisionLoadReport, load_vision_checkpoint, load_vision_tower
 from eva_fastclip.models.factory import (
