@@ -29,28 +29,41 @@ def consolidated_state_dict(folder: Path) -> dict[str, torch.Tensor]:
         return {k: v.float() for k, v in state["module"].items()}  # stage 0: the module is stored whole
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    return get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
+    merged = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
+    # ZeRO-1 saves no fp32 copy (not even the shapes) of frozen parameters (a fixed temperature, a locked
+    # text tower): they never change, so the module's own copy of them is the trained value
+    for key, value in state["module"].items():
+        merged.setdefault(key, value.float())
+    return merged
 
 
 def export_open_clip(folder: Path, output: Path, verify: bool = True) -> dict[str, Any]:
-    """Write ``output`` (atomically) and, with ``verify``, load it back into open_clip with strict keys."""
+    """Write ``output`` and, with ``verify``, first load it into open_clip with strict keys: a file that
+    open_clip would not load never appears at ``output`` (it is written under a temporary name, then
+    renamed)."""
     state_dict = to_open_clip_state_dict(consolidated_state_dict(folder))
+    model_cfg = read_client_state(folder)["config"]["model"]
+    arch = model_cfg["name"]
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(output.name + ".tmp")
     torch.save(state_dict, tmp)
+    try:
+        if verify:
+            _verify_open_clip_load(tmp, arch, model_cfg.get("text_hf_model"))
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, output)
-    model_cfg = read_client_state(folder)["config"]["model"]
-    arch = model_cfg["name"]
-    if verify:
-        import open_clip
-
-        from eva_fastclip.models import text_towers  # (also registers the shipped architectures)
-
-        # a Hugging Face text tower is not part of the architecture's name: rebuild it from its folder
-        kwargs = (
-            text_towers.hf_text_model_kwargs(arch, model_cfg["text_hf_model"], load_weights=False)
-            if model_cfg.get("text_hf_model")
-            else {}
-        )
-        open_clip.create_model(arch, pretrained=str(output), **kwargs)  # strict: raises on an unmatched key
     return {"output": str(output), "architecture": arch, "tensors": len(state_dict)}
+
+
+def _verify_open_clip_load(path: Path, arch: str, text_hf_model: str | None) -> None:
+    import open_clip
+
+    from eva_fastclip.models import text_towers  # (also registers the shipped architectures)
+
+    # a Hugging Face text tower is not part of the architecture's name: rebuild it from its folder
+    kwargs = (
+        text_towers.hf_text_model_kwargs(arch, text_hf_model, load_weights=False) if text_hf_model else {}
+    )
+    open_clip.create_model(arch, pretrained=str(path), **kwargs)  # strict: raises on an unmatched key

@@ -6,6 +6,7 @@ import open_clip
 import pytest
 import torch
 
+from eva_fastclip import export
 from eva_fastclip.config import ModelConfig, load_config
 from eva_fastclip.engine.setup import load_deepspeed_config
 from eva_fastclip.engine.trainer import Trainer
@@ -40,19 +41,28 @@ def outputs(model, images, tokens):
     return image_features.float(), text_features.float(), logit_scale.float().reshape(())
 
 
-def test_trained_eva_model_exports_to_open_clip_with_identical_outputs(tmp_path):
+@pytest.mark.parametrize(
+    "loss, lock_text",
+    [("fastclip_v3", False), ("fastclip_v1", True)],  # v1: a fixed, frozen temperature; ZeRO-1 keeps no
+    ids=["learned-temperature", "frozen-temperature-and-text"],  # fp32 copy of frozen parameters
+)
+def test_trained_eva_model_exports_to_open_clip_with_identical_outputs(
+    tmp_path, loss, lock_text, monkeypatch
+):
     cfg = load_config(
         "configs/toy.json",
         [
             "model.name=test-eva02-xs",
             "model.patch_dropout=0.5",
-            "loss.name=fastclip_v3",
+            f"model.lock_text={str(lock_text).lower()}",
+            f"loss.name={loss}",
             "train.batch_size=8",
             "train.steps=3",
             "train.deepspeed_config=ds_configs/zero1_fp32_lamb.json",  # fp32: outputs comparable exactly
             f"train.output_dir={tmp_path / 'run'}",
             "optim.visual_layer_decay=0.75",
             "optim.text_layer_decay=0.75",
+            "train.save_every_steps=0",
             "eval.zeroshot_dir=null",
             "eval.retrieval_shards=null",
         ],
@@ -62,6 +72,14 @@ def test_trained_eva_model_exports_to_open_clip_with_identical_outputs(tmp_path)
     folder = tmp_path / "run" / "checkpoints" / "step_00000003"
     summary = export_open_clip(folder, tmp_path / "eva.pt")  # strict open_clip load inside
     assert summary["architecture"] == "test-eva02-xs"
+
+    def refuse(*args):
+        raise RuntimeError("open_clip would not load it")
+
+    monkeypatch.setattr(export, "_verify_open_clip_load", refuse)
+    with pytest.raises(RuntimeError, match="would not load"):
+        export.export_open_clip(folder, tmp_path / "refused.pt")
+    assert sorted(p.name for p in tmp_path.glob("refused*")) == []  # neither the file nor its .tmp
 
     exported = open_clip.create_model("test-eva02-xs", pretrained=str(tmp_path / "eva.pt"))
     trained = trainer.engine.module

@@ -92,8 +92,11 @@ def test_replace_layer_norms_keeps_outputs():
         pass
 
     expected = sum(1 for m in model.modules() if isinstance(m, nn.LayerNorm))
+    model.ln_final.requires_grad_(False)  # as in a locked text tower
     assert kernels.replace_layer_norms(model, kernels._apex_copy(Fused)) == expected > 0
     assert not any(type(m) is nn.LayerNorm for m in model.modules())
+    assert isinstance(model.ln_final, Fused) and not any(p.requires_grad for p in model.ln_final.parameters())
+    assert all(p.requires_grad for p in model.visual.ln_post.parameters())
     with torch.no_grad():
         after = model(images, tokens)[:2]
     for a, b in zip(before, after):

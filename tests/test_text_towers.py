@@ -261,6 +261,25 @@ def test_hf_tower_locks(minilm_folder):
     _assert_locked(model, trainable_head="text.proj.")  # the new projection head still trains
 
 
+def test_locked_hf_tower_with_layer_decay_puts_its_head_at_the_top_layer(minilm_folder):
+    from eva_fastclip.models.param_groups import parameter_groups as groups_of
+
+    model = create_model(ModelConfig(name=ARCH, text_hf_model=str(minilm_folder), lock_text=True)).model
+    groups = groups_of(model, OptimConfig(text_lr=1e-4, text_layer_decay=0.75))
+    text_groups = [g for g in groups if g["name"].startswith("text.")]
+    depth = len(model.text.transformer.encoder.layer)
+    # only the head trains (a bias-free linear projection), in layer L+1 at the tower's own lr
+    assert [g["name"] for g in text_groups] == [f"text.layer_{depth + 1:02d}.decay"]
+    assert text_groups[0]["params"] == [model.text.proj.weight]
+    assert text_groups[0]["lr"] == pytest.approx(1e-4)
+
+
+def test_hf_head_from_a_checkpoint_locks_with_the_tower(minilm_folder):
+    model = create_model(ModelConfig(name=ARCH, text_hf_model=str(minilm_folder))).model
+    lock_text_tower(model, new_hf_head=False)
+    assert not any(p.requires_grad for p in text_parameters(model).values())
+
+
 def test_lock_text_tower_on_open_clip_model_counts_frozen_tensors():
     model = open_clip.create_model(ARCH, force_custom_text=True)
     assert lock_text_tower(model) == len(text_parameters(model)) == 29

@@ -57,7 +57,8 @@ def create_model(cfg: ModelConfig, *, temperature_init: float = 0.07) -> ModelBu
     model.set_grad_checkpointing(cfg.grad_checkpointing)
     text_towers.set_text_grad_checkpointing(model, cfg.grad_checkpointing)
     if cfg.lock_text:
-        text_towers.lock_text_tower(model)
+        # a Hugging Face tower's projection is new unless a whole CLIP checkpoint brought it
+        text_towers.lock_text_tower(model, new_hf_head=cfg.pretrained is None)
     if cfg.text_hf_model is not None:
         tokenizer = text_towers.hf_tokenizer(cfg.text_hf_model, text_kwargs["text_cfg"]["context_length"])
     else:

@@ -87,6 +87,8 @@ def _apex_copy(cls: type[nn.Module]) -> Callable[[nn.LayerNorm], nn.Module]:
         new = cls(old.normalized_shape, eps=old.eps, elementwise_affine=old.elementwise_affine)
         if old.elementwise_affine:
             new.load_state_dict(old.state_dict())
+            for fresh, kept in zip(new.parameters(), old.parameters()):
+                fresh.requires_grad_(kept.requires_grad)  # a locked tower stays locked
         return new.to(old.weight.device if old.weight is not None else "cpu")
 
     return make

@@ -166,9 +166,10 @@ def parameter_groups(
 
     layers: dict[str, TowerLayers] = {}
     for tower in TOWERS:
-        names = {n for n, _ in named if tower_of(n) == tower}
-        if not names:
+        if not any(tower_of(n) == tower for n, _ in named):
             continue
+        # the layout from all of the tower's parameters: a locked tower may leave only its head trainable
+        names = {n for n, _ in model.named_parameters() if tower_of(n) == tower}
         found = tower_layers(model, tower, names)
         if isinstance(found, str):
             if layer_decay[tower] != 1.0:

@@ -156,8 +156,8 @@ def load_text_checkpoint(model: nn.Module, path: str | Path, *, strict: bool = T
         )
     if weights.container == "TorchScript archive" and not _uses_quick_gelu(model):
         logger.warning(
-            "%s is OpenAI's CLIP file, trained with QuickGELU, but this model uses GELU: "
-            "pick the architecture's -quickgelu variant to keep its features",
+            "%s is OpenAI's CLIP file, trained with QuickGELU, but this model uses GELU: its text "
+            "features start near, not at, OpenAI's and training adapts them (as EVA-CLIP's GELU towers do)",
             path,
         )
 
@@ -230,18 +230,18 @@ def set_text_grad_checkpointing(model: nn.Module, enable: bool) -> None:
 # -------------------------------------------------------------------------------------------- locking
 
 
-def lock_text_tower(model: nn.Module) -> int:
+def lock_text_tower(model: nn.Module, *, new_hf_head: bool = True) -> int:
     """Freeze the pretrained text tower (LiT-style); returns the number of parameter tensors frozen.
 
     open_clip's own lock runs first (``lock_text_tower``, or HFTextEncoder's ``lock``), then every other
-    text parameter is frozen too, except the projection of a Hugging Face encoder: that head is new (the
-    folder holds no CLIP projection), and a random head that never trains would fix the text embedding at
-    random. Frozen parameters drop out of the optimizer groups.
+    text parameter is frozen too, except the projection of a Hugging Face encoder while ``new_hf_head``:
+    that head is new (the folder holds no CLIP projection), and a random head that never trains would fix
+    the text embedding at random. Frozen parameters drop out of the optimizer groups.
     """
     if hasattr(model, "lock_text_tower"):
         model.lock_text_tower(unlocked_layers=0, freeze_layer_norm=True)
     is_hf = isinstance(getattr(model, "text", None), open_clip.hf_model.HFTextEncoder)
-    new_head = "text.proj." if is_hf else None
+    new_head = "text.proj." if is_hf and new_hf_head else None
     params = {n: p for n, p in text_parameters(model).items() if not (new_head and n.startswith(new_head))}
     for name, param in text_parameters(model).items():
         param.requires_grad_(name not in params)
