@@ -25,13 +25,14 @@ def consolidated_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     if not checkpoint.is_complete(folder):
         raise ValueError(f"{folder} has no {checkpoint.MARKER}: its save never finished; pick a complete one")
     state = read_client_state(folder)
-    if state.get("ds_config", {}).get("zero_optimization", {}).get("stage", 0) == 0:
-        return {k: v.float() for k, v in state["module"].items()}  # stage 0: the module is stored whole
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    merged: dict[str, torch.Tensor] = {}
+    if state.get("ds_config", {}).get("zero_optimization", {}).get("stage", 0) > 0:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    merged = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
-    # ZeRO-1 saves no fp32 copy (not even the shapes) of frozen parameters (a fixed temperature, a locked
-    # text tower): they never change, so the module's own copy of them is the trained value
+        merged = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
+    # the rest from the saved module: all of it at stage 0 (stored whole), and under ZeRO-1 the frozen
+    # parameters (a fixed temperature, a locked text tower), of which it keeps no fp32 copy, not even the
+    # shapes: they never change, so the module's copy is the trained value
     for key, value in state["module"].items():
         merged.setdefault(key, value.float())
     return merged

@@ -233,17 +233,17 @@ def set_text_grad_checkpointing(model: nn.Module, enable: bool) -> None:
 def lock_text_tower(model: nn.Module, *, new_hf_head: bool = True) -> int:
     """Freeze the pretrained text tower (LiT-style); returns the number of parameter tensors frozen.
 
-    open_clip's own lock runs first (``lock_text_tower``, or HFTextEncoder's ``lock``), then every other
-    text parameter is frozen too, except the projection of a Hugging Face encoder while ``new_hf_head``:
-    that head is new (the folder holds no CLIP projection), and a random head that never trains would fix
-    the text embedding at random. Frozen parameters drop out of the optimizer groups.
+    Every text parameter is frozen (what open_clip's own ``lock_text_tower`` does, for every kind of tower),
+    except the projection of a Hugging Face encoder while ``new_hf_head``: that head is new (the folder holds
+    no CLIP projection), and a random head that never trains would fix the text embedding at random.
+    Frozen parameters drop out of the optimizer groups.
     """
-    if hasattr(model, "lock_text_tower"):
-        model.lock_text_tower(unlocked_layers=0, freeze_layer_norm=True)
     is_hf = isinstance(getattr(model, "text", None), open_clip.hf_model.HFTextEncoder)
     new_head = "text.proj." if is_hf and new_hf_head else None
-    params = {n: p for n, p in text_parameters(model).items() if not (new_head and n.startswith(new_head))}
+    frozen = 0
     for name, param in text_parameters(model).items():
-        param.requires_grad_(name not in params)
-    logger.info("text tower locked: %d parameter tensors frozen", len(params))
-    return len(params)
+        trains = new_head is not None and name.startswith(new_head)
+        param.requires_grad_(trains)
+        frozen += not trains
+    logger.info("text tower locked: %d parameter tensors frozen", frozen)
+    return frozen
