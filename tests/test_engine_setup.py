@@ -96,6 +96,29 @@ def test_dtype_and_optimizer_groups():
     assert isinstance(build_optimizer(ds, model, cfg.optim, cuda=False), torch.optim.AdamW)
 
 
+def test_cpu_adamw_is_the_fused_kernel_and_takes_the_written_out_step():
+    cfg = load_config(None, ["train.batch_size=8", "train.grad_accum_steps=2", "optim.weight_decay=0.1"])
+    ds = resolve(load_deepspeed_config(Path("ds_configs/zero1_bf16_adamw.json")), cfg)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    optimizer = build_optimizer(ds, model, cfg.optim, cuda=False)
+    assert optimizer.defaults["fused"] is True  # one pass over the weights, not one per foreach op
+    w0 = model.weight.detach().double().clone()
+    grads = [torch.randn(3, 5) for _ in range(2)]
+    m = v = torch.zeros_like(w0)
+    (beta1, beta2), eps, lr, wd = ds["optimizer"]["params"]["betas"], 1e-6, cfg.optim.lr, 0.1
+    w = w0
+    for t, g in enumerate(grads, start=1):  # AdamW (Loshchilov & Hutter), decoupled decay, in float64
+        model.weight.grad, model.bias.grad = g.clone(), torch.zeros(3)
+        optimizer.step()
+        g = g.double()
+        m, v = beta1 * m + (1 - beta1) * g, beta2 * v + (1 - beta2) * g * g
+        w = w * (1 - lr * wd) - lr * (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt() + eps)
+    assert ds["optimizer"]["params"]["eps"] == eps
+    torch.testing.assert_close(model.weight.detach().double(), w, rtol=0, atol=1e-6)
+    assert not torch.allclose(w, w0)
+
+
 def test_schedule_warms_up_linearly_then_decays_by_cosine():
     cfg = load_config(None, ["optim.lr=1.0", "optim.warmup_steps=4", "optim.min_lr_ratio=0.1"])
     model = torch.nn.Linear(2, 2)
@@ -115,3 +138,31 @@ def test_schedule_warms_up_linearly_then_decays_by_cosine():
     assert first[13] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.9)))
     assert all(a >= b for a, b in zip(first[3:], first[4:]))
     assert all(b == pytest.approx(0.5 * a) for a, b in lrs)  # each group keeps its own peak
+
+
+ALLOCATE_TWICE = """
+import resource, sys, torch
+from eva_fastclip.engine.trainer import keep_freed_host_memory
+if sys.argv[1] == "keep":
+    assert keep_freed_host_memory()
+faults = []
+for _ in range(3):  # 64 MiB: above the largest threshold below which glibc would reuse freed blocks anyway
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.ones(16 * 2**20)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(faults[-1])
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="glibc/Linux only")
+def test_freed_host_memory_is_reused_without_page_faults():
+    import subprocess
+    import sys
+
+    def faults(mode):
+        out = subprocess.run([sys.executable, "-c", ALLOCATE_TWICE, mode], check=True, capture_output=True)
+        return int(out.stdout.decode().split()[-1])
+
+    pages = 64 * 2**20 // 4096
+    assert faults("default") > pages // 2  # glibc maps a fresh block and faults in every page again
+    assert faults("keep") < pages // 100  # the block freed by the previous allocation is reused
