@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The training-step benchmark of docs/benchmarks.md on one GPU: our DeepSpeed step (LAMB, then AdamW) against
+# OpenCLIP's own step, at a batch a GPU is meant for. Run from the repository root:
+#   bash launchers/bench_gpu.sh                 # MODEL=ViT-B-16 BATCH=128 STEPS=20 by default
+# On a machine without DeepSpeed / open_clip / webdataset but with a .whl/ folder of their wheels (this project's
+# lent GPU machines: see the device README in shared/), they are installed under ~/site first.
+# Results: one JSON per optimizer under $OUT if set, else runs/bench; the tables are printed last.
+set -euo pipefail
+out=${OUT:-runs/bench}
+mkdir -p "$out"
+if ! python3 -c "import deepspeed, open_clip, webdataset" 2>/dev/null; then
+  [ -d .whl ] || { echo "bench_gpu.sh: DeepSpeed, open_clip or webdataset missing and no .whl/ folder" >&2; exit 2; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$HOME/site" .whl/*.whl
+  export PYTHONPATH=$PWD:$HOME/site
+fi
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || echo "bench_gpu.sh: no nvidia-smi, no GPU to report"
+for optim in lamb adamw; do
+  python3 -m eva_fastclip bench-speed --model "${MODEL:-ViT-B-16}" --batch-size "${BATCH:-128}" \
+    --steps "${STEPS:-20}" --warmup 5 --deepspeed-config "ds_configs/zero1_bf16_${optim}.json" \
+    --output "$out/speed_${optim}_gpu.json" > "$out/speed_${optim}_gpu.log" 2>&1 || { tail -40 "$out/speed_${optim}_gpu.log"; exit 1; }
+done
+for optim in lamb adamw; do echo "== ds_configs/zero1_bf16_${optim}.json"; tail -11 "$out/speed_${optim}_gpu.log"; done
