@@ -113,22 +113,22 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args) -> int:
-    from eva_fastclip.engine.setup import load_deepspeed_config, resolve_deepspeed_config
+    from eva_fastclip.engine.precision import detect_hardware
+    from eva_fastclip.engine.setup import load_deepspeed_config, resolve_deepspeed_config, resolve_precision
 
     cfg = load_config(args.config, args.overrides)
     ds = load_deepspeed_config(cfg.train.deepspeed_config)
     world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     layout = batch_layout(cfg, world_size)
     # validated here, before any process group starts
-    import torch
-
-    resolved = resolve_deepspeed_config(
-        ds, cfg, layout, source=cfg.train.deepspeed_config, cuda=torch.cuda.is_available()
-    )
+    hardware = detect_hardware()
+    resolved = resolve_deepspeed_config(ds, cfg, layout, source=cfg.train.deepspeed_config, hardware=hardware)
     if args.dry_run:
+        precision = resolve_precision(cfg, ds, source=cfg.train.deepspeed_config, hardware=hardware)
         summary = {
             "world_size": world_size,
             "global_batch": layout.global_batch,
+            "precision": {"name": precision.name, "reason": precision.reason, "warning": precision.warning},
             "experiment": cfg.to_dict(),
             "deepspeed": resolved,
         }

@@ -138,6 +138,7 @@ _COMPOSITIONAL_DEFAULTS: dict[str, Any] = {
     "gamma_min": 0.2,
     "eps": 1e-14,
 }
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 TEMPERATURE_RULES = ("fixed", "learnable", "rgcl_g", "individual_adam", "individual_momentum")
 
 
@@ -285,8 +286,11 @@ class EvalConfig:
 
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
-    deepspeed_config: str = "ds_configs/zero1_bf16_lamb.json"
+    deepspeed_config: str = "ds_configs/zero1_lamb.json"
     """DeepSpeed JSON: ZeRO stage, precision, clipping, optimizer type. Batch sizes there may be "auto"."""
+    precision: str = "auto"
+    """auto, bf16, fp16 or fp32. auto: bf16 where the device computes it natively (CUDA with bf16, CPUs
+    with AVX-512 BF16 or AMX), fp16 with loss scaling on older CUDA devices, fp32 elsewhere."""
     batch_size: int = 64
     """Micro-batch per rank (DeepSpeed's train_micro_batch_size_per_gpu)."""
     grad_accum_steps: int = 1
@@ -315,6 +319,8 @@ class TrainConfig:
         _positive("train.save_every_steps", self.save_every_steps, allow_zero=True)
         _positive("train.keep_checkpoints", self.keep_checkpoints)
         _positive("train.log_every_steps", self.log_every_steps)
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"train.precision must be one of {PRECISIONS}, got {self.precision!r}")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -102,6 +102,7 @@ def test_dry_run_validates_for_a_world_size(capsys):
 def test_shipped_presets_validate(path, tmp_path):
     """Every preset loads and agrees with its DeepSpeed JSON (on a GPU machine, at 8 ranks). The weight
     files a preset names (EVA MIM, OpenAI CLIP) are stood in for by empty files: they are not shipped."""
+    from eva_fastclip.engine.precision import Hardware
     from eva_fastclip.engine.setup import load_deepspeed_config, resolve_deepspeed_config
 
     model = json.loads(path.read_text()).get("model", {})
@@ -116,6 +117,6 @@ def test_shipped_presets_validate(path, tmp_path):
         cfg,
         batch_layout(cfg, 8),
         source=str(path),
-        cuda=True,
+        hardware=Hardware(cuda=True, native_bf16=True, description="a GPU"),
     )
     assert ds["train_batch_size"] == 8 * cfg.train.batch_size * cfg.train.grad_accum_steps

@@ -6,22 +6,25 @@ import pytest
 import torch
 
 from eva_fastclip.config import BatchLayout, ConfigError, OptimConfig, load_config
+from eva_fastclip.engine.precision import FP16_DEFAULTS, Hardware
 from eva_fastclip.engine.setup import (
     autocast_dtype,
     build_optimizer,
     build_scheduler,
     load_deepspeed_config,
     resolve_deepspeed_config,
+    resolve_precision,
 )
 from eva_fastclip.models import parameter_groups
 
 DS_CONFIGS = sorted((Path(__file__).parents[1] / "ds_configs").glob("*.json"))
 
 
-def resolve(ds, cfg=None, world_size=2, cuda=False):
+def resolve(ds, cfg=None, world_size=2, cuda=False, native_bf16=True):
     cfg = cfg or load_config(None, ["train.batch_size=8", "train.grad_accum_steps=2"])
     layout = BatchLayout(cfg.train.batch_size, cfg.train.grad_accum_steps, world_size)
-    return resolve_deepspeed_config(ds, cfg, layout, source="test.json", cuda=cuda)
+    hardware = Hardware(cuda=cuda, native_bf16=native_bf16, description="a test device")
+    return resolve_deepspeed_config(ds, cfg, layout, source="test.json", hardware=hardware)
 
 
 @pytest.mark.parametrize("path", DS_CONFIGS, ids=lambda p: p.name)
@@ -36,10 +39,88 @@ def test_shipped_configs_resolve(path):
     assert resolved["zero_optimization"]["stage"] in (1, 2)
 
 
-def test_fp16_on_cpu_is_refused_with_the_alternative():
-    ds = load_deepspeed_config(Path("ds_configs/zero1_fp16_lamb.json"))
-    with pytest.raises(ConfigError, match="zero1_bf16_lamb.json"):
-        resolve(ds, cuda=False)
+def precision_of(ds):
+    return "bf16" if ds["bf16"]["enabled"] else "fp16" if ds["fp16"]["enabled"] else "fp32"
+
+
+@pytest.mark.parametrize(
+    "cuda, native_bf16, expected",
+    [(True, True, "bf16"), (True, False, "fp16"), (False, True, "bf16"), (False, False, "fp32")],
+    ids=["cuda-bf16", "cuda-no-bf16", "cpu-avx512-bf16", "cpu-avx2"],
+)
+def test_auto_precision_follows_the_hardware(cuda, native_bf16, expected):
+    ds = resolve(
+        load_deepspeed_config(Path("ds_configs/zero1_lamb.json")), cuda=cuda, native_bf16=native_bf16
+    )
+    assert precision_of(ds) == expected
+    assert (
+        autocast_dtype(ds) == {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[expected]
+    )
+    if expected == "fp16":  # SPEC's dynamic loss scaling, from the JSON's own fp16 section
+        assert ds["fp16"]["loss_scale"] == 0 and ds["fp16"]["initial_scale_power"] == 16
+
+
+def test_auto_precision_without_sections_fills_the_loss_scaling():
+    ds = json.loads(Path("ds_configs/zero1_lamb.json").read_text())
+    del ds["bf16"], ds["fp16"]
+    ds = resolve(ds, cuda=True, native_bf16=False)
+    assert ds["fp16"] == {**FP16_DEFAULTS, "enabled": True} and ds["bf16"]["enabled"] is False
+
+
+def test_explicit_precision_is_kept_and_warned_about_where_emulated():
+    cfg = load_config(None, ["train.batch_size=8", "train.grad_accum_steps=2", "train.precision=bf16"])
+    ds = json.loads(Path("ds_configs/zero1_lamb.json").read_text())
+    avx2 = Hardware(cuda=False, native_bf16=False, description="CPU (AVX2)")
+    choice = resolve_precision(cfg, ds, source="x.json", hardware=avx2)
+    assert choice.name == "bf16" and "emulates" in choice.warning
+    assert precision_of(resolve(ds, cfg, native_bf16=False)) == "bf16"
+    # a JSON that fixes a precision is an explicit choice too
+    fixed = json.loads(Path("ds_configs/zero1_bf16_lamb.json").read_text())
+    cfg_auto = load_config(None, ["train.batch_size=8", "train.grad_accum_steps=2"])
+    assert resolve_precision(cfg_auto, fixed, source="x.json", hardware=avx2).warning is not None
+    fp32 = json.loads(Path("ds_configs/zero1_fp32_lamb.json").read_text())
+    assert precision_of(resolve(fp32, cfg_auto, cuda=True)) == "fp32"  # disabled sections fix fp32
+    del fp32["bf16"], fp32["fp16"]
+    assert precision_of(resolve(fp32, cfg_auto, cuda=True)) == "bf16"  # no sections: auto
+
+
+@pytest.mark.parametrize(
+    "precision, ds_patch, cuda, message",
+    [
+        ("fp16", {}, False, "fp16, which DeepSpeed supports only on CUDA"),
+        ("auto", {"fp16": {"enabled": True}, "bf16": {"enabled": False}}, False, "only on CUDA"),
+        ("fp32", {"bf16": {"enabled": True}}, True, "train.precision=fp32 but x.json fixes bf16"),
+        ("auto", {"bf16": {"enabled": "yes"}}, True, 'bf16.enabled must be true, false or "auto"'),
+    ],
+)
+def test_precision_conflicts_name_the_keys(precision, ds_patch, cuda, message):
+    cfg = load_config(None, [f"train.precision={precision}"])
+    ds = {**json.loads(Path("ds_configs/zero1_lamb.json").read_text()), **ds_patch}
+    with pytest.raises(ConfigError, match=message):
+        resolve_precision(cfg, ds, source="x.json", hardware=Hardware(cuda, True, "a device"))
+
+
+def test_unknown_precision_is_refused_at_load():
+    with pytest.raises(ConfigError, match="train.precision must be one of"):
+        load_config(None, ["train.precision=fp8"])
+
+
+def test_cpu_bf16_detection_honours_the_kernel_caps(monkeypatch):
+    from eva_fastclip.engine import precision
+
+    monkeypatch.setattr(precision, "_cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    for env, native in ((None, True), ("AVX2", False), ("avx512_core_amx", True)):
+        precision.cpu_bf16_support.cache_clear()
+        if env is None:
+            monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+        else:
+            monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", env)
+        assert precision.cpu_bf16_support()[0] is native, env
+    monkeypatch.setattr(precision, "_cpu_flags", lambda: {"avx2", "fma"})
+    precision.cpu_bf16_support.cache_clear()
+    assert precision.cpu_bf16_support() == (False, "CPU (AVX2; no AVX-512 BF16 or AMX)")
+    precision.cpu_bf16_support.cache_clear()
 
 
 @pytest.mark.parametrize(
@@ -140,29 +221,36 @@ def test_schedule_warms_up_linearly_then_decays_by_cosine():
     assert all(b == pytest.approx(0.5 * a) for a, b in lrs)  # each group keeps its own peak
 
 
-ALLOCATE_TWICE = """
+ALLOCATE_REPEATEDLY = """
 import resource, sys, torch
 from eva_fastclip.engine.trainer import keep_freed_host_memory
 if sys.argv[1] == "keep":
     assert keep_freed_host_memory()
 faults = []
-for _ in range(3):  # 64 MiB: above the largest threshold below which glibc would reuse freed blocks anyway
+for _ in range(8):  # 64 MiB: above the largest threshold below which glibc would reuse freed blocks anyway
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     torch.ones(16 * 2**20)
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(faults[-1])
+print(sum(faults[1:]))
 """
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="glibc/Linux only")
-def test_freed_host_memory_is_reused_without_page_faults():
+def test_freed_host_memory_is_reused_instead_of_faulted_in_again():
+    """What keep_freed_host_memory promises: a block freed and allocated again, as every training step
+    does, mostly comes back without fresh page faults. Where the reused block lands differs between
+    machines (here every allocation after the second reuses it; on another glibc 2.36 machine every
+    other one did), so the test compares totals over repeated allocations, not one allocation."""
     import subprocess
     import sys
 
     def faults(mode):
-        out = subprocess.run([sys.executable, "-c", ALLOCATE_TWICE, mode], check=True, capture_output=True)
+        out = subprocess.run(
+            [sys.executable, "-c", ALLOCATE_REPEATEDLY, mode], check=True, capture_output=True
+        )
         return int(out.stdout.decode().split()[-1])
 
-    pages = 64 * 2**20 // 4096
-    assert faults("default") > pages // 2  # glibc maps a fresh block and faults in every page again
-    assert faults("keep") < pages // 100  # the block freed by the previous allocation is reused
+    default = faults("default")
+    if default < 7 * (64 * 2**20 // 4096) // 2:
+        pytest.skip(f"glibc's default already reuses or huge-page-maps the block here ({default} faults)")
+    assert faults("keep") <= 0.6 * default  # glibc's default maps a fresh block and faults in every page

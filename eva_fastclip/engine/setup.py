@@ -18,6 +18,14 @@ import torch
 from torch import nn
 
 from eva_fastclip.config import BatchLayout, ConfigError, ExperimentConfig, OptimConfig
+from eva_fastclip.engine.precision import (
+    Hardware,
+    PrecisionChoice,
+    apply_precision,
+    choose_precision,
+    detect_hardware,
+    precision_in_deepspeed_json,
+)
 from eva_fastclip.models import parameter_groups
 from eva_fastclip.models.param_groups import TEMPERATURE_GROUP
 
@@ -37,9 +45,17 @@ def load_deepspeed_config(path: str | Path) -> dict[str, Any]:
 
 
 def resolve_deepspeed_config(
-    ds: dict[str, Any], cfg: ExperimentConfig, layout: BatchLayout, *, source: str, cuda: bool
+    ds: dict[str, Any],
+    cfg: ExperimentConfig,
+    layout: BatchLayout,
+    *,
+    source: str,
+    hardware: Hardware | None = None,
 ) -> dict[str, Any]:
-    """Fill "auto" values from the experiment config and check that everything else agrees with it."""
+    """Fill "auto" values from the experiment config and check that everything else agrees with it.
+
+    The precision is chosen for ``hardware`` (this machine's device when None): engine/precision.py.
+    """
     ds = copy.deepcopy(ds)
     owned = [
         ("train_micro_batch_size_per_gpu", layout.micro_batch, "train.batch_size"),
@@ -75,15 +91,7 @@ def resolve_deepspeed_config(
         prefix="optimizer.params.",
     )
 
-    fp16 = ds.get("fp16", {}).get("enabled", False)
-    bf16 = ds.get("bf16", {}).get("enabled", False)
-    if fp16 and bf16:
-        raise ConfigError(f"{source} enables both fp16 and bf16: keep one")
-    if fp16 and not cuda:
-        raise ConfigError(
-            f"{source} enables fp16, which DeepSpeed supports only on CUDA devices; on CPU use "
-            "ds_configs/zero1_bf16_lamb.json (bf16) or ds_configs/zero1_fp32_lamb.json"
-        )
+    apply_precision(ds, resolve_precision(cfg, ds, source=source, hardware=hardware))
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if stage not in (0, 1, 2):
         raise ConfigError(
@@ -92,6 +100,18 @@ def resolve_deepspeed_config(
         )
     ds.setdefault("zero_allow_untested_optimizer", True)  # timm's LAMB on CPU is "untested" to DeepSpeed
     return ds
+
+
+def resolve_precision(
+    cfg: ExperimentConfig, ds: dict[str, Any], *, source: str, hardware: Hardware | None = None
+) -> PrecisionChoice:
+    """The precision a run trains in: ``train.precision`` and the DeepSpeed JSON, for ``hardware``."""
+    return choose_precision(
+        cfg.train.precision,
+        precision_in_deepspeed_json(ds, source),
+        hardware or detect_hardware(),
+        source=source,
+    )
 
 
 def _fill_or_check(

@@ -26,7 +26,13 @@ from eva_fastclip.config import ExperimentConfig, batch_layout
 from eva_fastclip.data import TrainLoader
 from eva_fastclip.engine import checkpoint
 from eva_fastclip.engine.evaluate import evaluate_model, format_results
-from eva_fastclip.engine.setup import autocast_dtype, initialize_engine, resolve_deepspeed_config
+from eva_fastclip.engine.precision import detect_hardware
+from eva_fastclip.engine.setup import (
+    autocast_dtype,
+    initialize_engine,
+    resolve_deepspeed_config,
+    resolve_precision,
+)
 from eva_fastclip.losses import Gatherer, build_loss
 from eva_fastclip.models import create_model
 from eva_fastclip.models.kernels import configure_kernels
@@ -88,9 +94,14 @@ class Trainer:
             temperature=self.temperature,
         )
 
-        ds = resolve_deepspeed_config(
-            ds_config, cfg, layout, source=cfg.train.deepspeed_config, cuda=torch.cuda.is_available()
-        )
+        hardware = detect_hardware()
+        source = cfg.train.deepspeed_config
+        precision = resolve_precision(cfg, ds_config, source=source, hardware=hardware)
+        if self.is_main:
+            log.info("precision: %s (%s)", precision.name, precision.reason)
+            if precision.warning:
+                log.warning(precision.warning)
+        ds = resolve_deepspeed_config(ds_config, cfg, layout, source=source, hardware=hardware)
         self.input_dtype = autocast_dtype(ds)
         self.engine = initialize_engine(
             bundle.model, cfg, ds, self.total_steps, temperature_lr=self.temperature.own_group_lr
