@@ -140,6 +140,8 @@ _COMPOSITIONAL_DEFAULTS: dict[str, Any] = {
 }
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 TEMPERATURE_RULES = ("fixed", "learnable", "rgcl_g", "individual_adam", "individual_momentum")
+#: how the rgcl_g rule takes tau's gradient: the objective's, or what FastCLIP's code computes
+TAU_GRADIENTS = ("exact", "fastclip_code")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -178,6 +180,9 @@ class LossConfig:
     """rho of the robust objectives RGCL (v2, iSogCLR) and RGCL-g (v3): 6.5 CC3M, 8.5 CC12M, 16 LAION."""
     eps: float | None = None
     """epsilon inside log(eps + g) and g / (u + eps): 1e-14 (1e-6 for LAION-scale runs)."""
+    tau_gradient: str = "exact"
+    """rgcl_g only: "exact" (the gradient of RGCL-g) or "fastclip_code" (FastCLIP's code: the surrogate's
+    tau-derivative counted twice, log u without eps; reproduces its published v3 runs; docs/losses.md)."""
 
     def __post_init__(self) -> None:
         if self.name not in LOSS_DEFAULTS:
@@ -226,6 +231,13 @@ class LossConfig:
                 raise ConfigError("loss.eps must be > 0")
             if self.gamma_decay_epochs is not None:
                 _positive("loss.gamma_decay_epochs", self.gamma_decay_epochs)
+        if self.tau_gradient not in TAU_GRADIENTS:
+            raise ConfigError(f"loss.tau_gradient must be one of {TAU_GRADIENTS}, got {self.tau_gradient!r}")
+        if self.tau_gradient != "exact" and self.temperature_rule != "rgcl_g":
+            raise ConfigError(
+                f"loss.tau_gradient={self.tau_gradient} applies only to temperature_rule=rgcl_g "
+                f"(fastclip_v3), not {self.temperature_rule}: remove the key or set it to exact"
+            )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -6,7 +6,7 @@ Global rules act on the model's parameter theta = log(1/tau) (open_clip's ``logi
 - ``rgcl_g`` (FastCLIP-v3): theta learns through the RGCL-g surrogate in its own optimizer group (no
   weight decay, constant lr ``temperature_lr``), and that lr is cut by ``temperature_lr_drop_factor``
   the first time tau <= ``temperature_lr_drop_below`` (SPEC: "dropped once"; the reference code re-raises
-  it if tau climbs back).
+  it if tau climbs back). The loss decides theta's gradient (``tau_gradient``: exact or FastCLIP's code).
 After every applied step the global tau is clamped to [temperature_min, temperature_max].
 
 Individual rules keep tau_i per sample in the loss's per-sample table and step it inside the loss with
@@ -109,14 +109,15 @@ class TemperatureController:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """One update of per-sample temperatures from their gradients; returns (tau, m, v).
 
-        individual_adam: Adam on each tau_i with bias correction by the sample's visit count, taken as
-        epoch + 1 (each sample is seen once an epoch), as the reference does; unlike the reference (which
-        divides by v_hat without a square root) this is Adam proper.
+        individual_adam: FastCLIP-v2's update as its loss.py writes it: both betas are 0 in the first
+        epoch (m = grad, v = grad², a step of lr·sign(grad)), then ``betas``; m and v are divided by
+        1 - beta^(epoch + 1), the sample's visit count (each sample is seen once an epoch), and the step is
+        lr·m_hat/(sqrt(v_hat) + 1e-8). docs/losses.md says what this does to the step size after epoch 0.
         individual_momentum: m <- momentum*m + (1-momentum)*grad; tau <- tau - lr*m (iSogCLR).
         """
         grad = grad.clamp(-self.grad_clip, self.grad_clip)
         if self.rule == "individual_adam":
-            beta1, beta2 = self.betas
+            beta1, beta2 = self.betas if epoch > 0 else (0.0, 0.0)
             m = beta1 * m + (1 - beta1) * grad
             v = beta2 * v + (1 - beta2) * grad.square()
             m_hat = m / (1 - beta1 ** (epoch + 1))

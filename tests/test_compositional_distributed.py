@@ -1,5 +1,6 @@
 """(b) 2 ranks with global batch B give the gradients and state updates of 1 rank with the same B;
-(c) the bytes each rank passes to collectives match docs/losses.md, and none carry feature gradients.
+(c) the bytes each rank passes to collectives match docs/losses.md, and none carry feature gradients;
+(d) with tau_gradient=fastclip_code each rank's gradients are those of FastCLIP's own rank loss.
 
 Real collectives: two processes over gloo (no DeepSpeed needed for the loss itself).
 """
@@ -12,11 +13,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from fastclip_reference import fastclip_v3_rank_loss
 
 from eva_fastclip.losses import Gatherer, build_loss
 
-B, D, WORLD = 8, 6, 2
-VARIANTS = ["sogclr", "fastclip_v0", "fastclip_v1", "fastclip_v2", "fastclip_v3", "isogclr"]
+B, D, WORLD, RHO, TAU = 8, 6, 2, 6.5, 0.05
+#: variant -> (loss name, LossConfig overrides)
+NAMES = ("sogclr", "fastclip_v0", "fastclip_v1", "fastclip_v2", "fastclip_v3", "isogclr")
+VARIANTS = {
+    **{name: (name, {}) for name in NAMES},
+    "fastclip_v3_code": ("fastclip_v3", {"tau_gradient": "fastclip_code"}),
+}
 
 
 def batches():
@@ -30,11 +37,12 @@ def batches():
     return steps
 
 
-def run_steps(name, rank, world):
+def run_steps(variant, rank, world):
     """Two steps (epoch 0: gamma = 1, then epoch 1: gamma < 1) on this rank's slice of each batch."""
     gatherer = Gatherer(rank, world) if world > 1 else Gatherer()
-    loss_fn = build_loss(name, gatherer=gatherer, dataset_size=B, rho=6.5, gamma_decay_epochs=2)
-    theta = torch.tensor([math.log(1 / 0.05)], dtype=torch.float64, requires_grad=True)
+    name, overrides = VARIANTS[variant]
+    loss_fn = build_loss(name, gatherer=gatherer, dataset_size=B, rho=RHO, gamma_decay_epochs=2, **overrides)
+    theta = torch.tensor([math.log(1 / TAU)], dtype=torch.float64, requires_grad=True)
     b = B // world
     local = slice(rank * b, (rank + 1) * b)
     results = []
@@ -61,7 +69,7 @@ def run_steps(name, rank, world):
 def worker(rank, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    results = {name: run_steps(name, rank, WORLD) for name in VARIANTS}
+    results = {variant: run_steps(variant, rank, WORLD) for variant in VARIANTS}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -72,13 +80,13 @@ def distributed(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("ranks")
     mp.spawn(worker, args=(29611, str(out_dir)), nprocs=WORLD, join=True)
     per_rank = [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
-    return {name: [results[name] for results in per_rank] for name in VARIANTS}
+    return {variant: [results[variant] for results in per_rank] for variant in VARIANTS}
 
 
-@pytest.mark.parametrize("name", VARIANTS)
-def test_two_ranks_match_one(distributed, name):
-    single = run_steps(name, 0, 1)
-    ranks = distributed[name]
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_two_ranks_match_one(distributed, variant):
+    single = run_steps(variant, 0, 1)
+    ranks = distributed[variant]
     b = B // WORLD
     for step in range(2):
         one = single[step]["grads"]
@@ -96,12 +104,12 @@ def test_two_ranks_match_one(distributed, name):
         torch.testing.assert_close(table, single[step]["rows"][1], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", VARIANTS)
-def test_collective_bytes_match_the_formula(distributed, name):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_collective_bytes_match_the_formula(distributed, variant):
     """docs/losses.md: per step and rank, with b local pairs, B = K·b, d dims, F state fields, s bytes per
     feature element: features 2·b·d·s, indices 8·b, state lookup 4·B·F, state update b·F·s."""
     b, s = B // WORLD, 8  # float64 features in this test
-    for rank in distributed[name]:
+    for rank in distributed[variant]:
         for step in rank:
             fields = step["fields"]
             expected = {
@@ -111,3 +119,21 @@ def test_collective_bytes_match_the_formula(distributed, name):
                 "state_update": b * fields * s,
             }
             assert step["traffic"] == expected  # nothing else: no feature gradients cross ranks
+
+
+def test_fastclip_code_per_rank(distributed):
+    """Before the engine averages them, each rank's gradients (features and theta) are those of the loss
+    FastCLIP's code back-propagates on that rank (step 1: gamma = 1, so u = g; fastclip_reference.py)."""
+    e1, e2, order = batches()[0]
+    assert order.tolist() == list(range(B))  # dataset index = position in the global batch
+    b = B // WORLD
+    for r in range(WORLD):
+        x1, x2 = e1.clone().requires_grad_(True), e2.clone().requires_grad_(True)
+        theta = torch.tensor([math.log(1 / TAU)], dtype=torch.float64, requires_grad=True)
+        reference = fastclip_v3_rank_loss(x1, x2, theta.exp(), rank=r, world=WORLD, rho=RHO, eps=1e-14)
+        want1, want2, want_theta = torch.autograd.grad(reference, (x1, x2, theta))
+        got1, got2, got_theta = distributed["fastclip_v3_code"][r][0]["grads"]
+        own = slice(r * b, (r + 1) * b)
+        torch.testing.assert_close(got1, want1[own], rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(got2, want2[own], rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(got_theta, want_theta, rtol=1e-9, atol=1e-12)

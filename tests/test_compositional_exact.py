@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from fastclip_reference import fastclip_v3_rank_loss
 
 from eva_fastclip.losses import build_loss
 
@@ -24,9 +25,9 @@ def inner(anchors, others, tau):
     return torch.stack(rows)
 
 
-def gcl(e1, e2, tau):  # mean_i 1/2 [log(eps + g1_i) + log(eps + g2_i)]
+def gcl(e1, e2, tau, eps=EPS):  # mean_i 1/2 [log(eps + g1_i) + log(eps + g2_i)]
     taus = tau.expand(N)
-    return (0.5 * (torch.log(EPS + inner(e1, e2, taus)) + torch.log(EPS + inner(e2, e1, taus)))).mean()
+    return (0.5 * (torch.log(eps + inner(e1, e2, taus)) + torch.log(eps + inner(e2, e1, taus)))).mean()
 
 
 def rgcl(e1, e2, tau1, tau2):  # mean_i 1/2 [tau1_i (log(eps+g1_i)+rho) + tau2_i (log(eps+g2_i)+rho)]
@@ -34,8 +35,8 @@ def rgcl(e1, e2, tau1, tau2):  # mean_i 1/2 [tau1_i (log(eps+g1_i)+rho) + tau2_i
     return (0.5 * (tau1 * (torch.log(EPS + g1) + RHO) + tau2 * (torch.log(EPS + g2) + RHO))).mean()
 
 
-def rgcl_g(e1, e2, tau):  # tau · GCL + rho · tau
-    return tau * gcl(e1, e2, tau) + RHO * tau
+def rgcl_g(e1, e2, tau, eps=EPS):  # tau · GCL + rho · tau
+    return tau * gcl(e1, e2, tau, eps) + RHO * tau
 
 
 def unit_features(seed):
@@ -46,7 +47,7 @@ def unit_features(seed):
 
 
 def surrogate_grads(name, e1, e2, theta, **overrides):
-    loss_fn = build_loss(name, dataset_size=N, eps=EPS, **overrides)
+    loss_fn = build_loss(name, dataset_size=N, **{"eps": EPS, **overrides})
     out = loss_fn(e1, e2, theta.exp(), torch.arange(N))
     wrt = (e1, e2, theta) if theta.requires_grad else (e1, e2)
     return torch.autograd.grad(out.loss, wrt), loss_fn, out
@@ -66,15 +67,38 @@ def test_gcl_variants(name):
     assert out.metrics["loss/surrogate"] == pytest.approx(2.0)  # u = g: every ratio is 1
 
 
-def test_rgcl_g_v3():
+@pytest.mark.parametrize("eps", [EPS, 0.5])  # 0.5: eps matters in log(u+eps) as it does in log(eps+g)
+def test_rgcl_g_v3(eps):
     e1, e2 = unit_features(1)
     theta = torch.tensor([math.log(1 / 0.05)], dtype=torch.float64, requires_grad=True)
-    got, _, out = surrogate_grads("fastclip_v3", e1, e2, theta, rho=RHO)
-    expected = torch.autograd.grad(rgcl_g(e1, e2, 1 / theta.exp()), (e1, e2, theta))
+    got, _, out = surrogate_grads("fastclip_v3", e1, e2, theta, rho=RHO, eps=eps)
+    expected = torch.autograd.grad(rgcl_g(e1, e2, 1 / theta.exp(), eps), (e1, e2, theta))
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-12)
-    assert out.metrics["loss/objective"] == pytest.approx(rgcl_g(e1, e2, 1 / theta.exp()).item(), rel=1e-9)
-    assert out.metrics["loss/gcl"] == pytest.approx(gcl(e1, e2, 1 / theta.exp()).item(), rel=1e-9)
+    objective = rgcl_g(e1, e2, 1 / theta.exp(), eps).item()
+    assert out.metrics["loss/objective"] == pytest.approx(objective, rel=1e-9)
+    assert out.metrics["loss/gcl"] == pytest.approx(gcl(e1, e2, 1 / theta.exp(), eps).item(), rel=1e-9)
+
+
+@pytest.mark.parametrize("eps", [EPS, 0.5])  # 0.5: FastCLIP's code takes log u, not log(u+eps)
+def test_rgcl_g_v3_fastclip_code(eps):
+    """tau_gradient=fastclip_code: the gradients of the loss FastCLIP's code back-propagates (its loss.py,
+    written out in fastclip_reference.py); the features' gradients are the exact ones either way."""
+    e1, e2 = unit_features(1)
+    theta = torch.tensor([math.log(1 / 0.05)], dtype=torch.float64, requires_grad=True)
+    got, _, _ = surrogate_grads("fastclip_v3", e1, e2, theta, rho=RHO, eps=eps, tau_gradient="fastclip_code")
+    reference = fastclip_v3_rank_loss(e1, e2, theta.exp(), rank=0, world=1, rho=RHO, eps=eps)
+    expected = torch.autograd.grad(reference, (e1, e2, theta))
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-12)
+    exact, _, _ = surrogate_grads("fastclip_v3", e1, e2, theta, rho=RHO, eps=eps)
+    for g, e in zip(got[:2], exact[:2]):
+        torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-12)
+    if eps == EPS:  # log u = log(u+eps) here: theta's gradient is RGCL-g's plus GCL's tau-derivative again
+        tau = 1 / theta.exp()
+        (twice,) = torch.autograd.grad(tau.detach() * gcl(e1, e2, tau), theta)
+        torch.testing.assert_close(got[2], exact[2] + twice, rtol=1e-9, atol=1e-12)
+        assert not torch.allclose(got[2], exact[2], rtol=1e-3)
 
 
 @pytest.mark.parametrize("name", ["isogclr", "fastclip_v2"])
@@ -112,7 +136,7 @@ def test_rgcl_individual(name):
         if name == "isogclr":  # m = (1 - momentum)·grad, tau <- tau - lr·m
             want = tau_init - 1e-4 * 0.5 * grad
             tol = dict(rtol=1e-6, atol=1e-9)  # the table stores float32
-        else:  # Adam's first step from zero moments: lr · grad / (|grad| + 1e-8)
+        else:  # FastCLIP-v2 in epoch 0 (betas 0): lr · grad / (|grad| + 1e-8)
             want = tau_init - 1e-4 * grad / (grad.abs() + 1e-8)
             tol = dict(rtol=1e-5, atol=1e-9)
         torch.testing.assert_close(new_tau, want, **tol)

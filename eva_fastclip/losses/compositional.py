@@ -11,6 +11,8 @@ whose gradient, when u = g, is the gradient of the objective
     RGCL:   mean_i 1/2 [ tau1_i (log(eps+g1_i)+rho) + tau2_i (log(eps+g2_i)+rho) ]   (v2, iSogCLR)
     RGCL-g: tau · mean_i 1/2 [ log(eps+g1_i) + log(eps+g2_i) ] + rho·tau     (v3, surrogate below)
 (the 1/2 averages the two directions, as OpenCLIP's loss does; it keeps rho on the reference's scale).
+``loss.tau_gradient: fastclip_code`` instead gives v3's tau the gradient FastCLIP's code computes: Phi's
+tau-derivative twice (both halves below carry tau) and log u without eps (docs/losses.md derives it).
 
 Distributed reduction (FastCLIP): features are all-gathered without autograd; rank k computes g only for
 its b anchors against all B negatives (the local half, gradient through the anchors) and, for all B
@@ -50,6 +52,7 @@ class CompositionalLoss(ContrastiveLoss):
         self.temperature = temperature or TemperatureController.from_config(cfg)
         self.individual = self.temperature.is_individual
         self.rgcl_g = self.temperature.rule == "rgcl_g"
+        self.fastclip_code = cfg.tau_gradient == "fastclip_code"
         self.log_eps = math.log(cfg.eps)
         fields = {"log_u1": -math.inf, "log_u2": -math.inf}
         if self.individual:
@@ -97,7 +100,7 @@ class CompositionalLoss(ContrastiveLoss):
             tau1_all, tau2_all = rows[:, col("tau1")], rows[:, col("tau2")]
             tau1, tau2 = tau1_all[local], tau2_all[local]
             tau = None
-        else:  # one global tau; only the local half carries its gradient (the engine averages the rest)
+        else:  # one global tau, shared by every anchor
             tau = (1.0 / logit_scale).reshape(())
             if not self.temperature.learns_global:
                 tau = tau.detach()
@@ -138,16 +141,22 @@ class CompositionalLoss(ContrastiveLoss):
             "q1": 0.5 / big_b * w1_all * torch.exp(stats.col_c1 + log_remote - log_den1_all),
             "q2": 0.5 / big_b * w2_all * torch.exp(stats.col_c2 + log_remote - log_den2_all),
         }
-        learn_tau = tau is not None and tau.requires_grad
-        tau_input = tau if learn_tau else image_features.new_zeros(())
-        phi = Surrogate.apply(image_features, text_features, tau_input, ops, stats, coef, learn_tau)
+        # the halves of Phi that carry the global tau's gradient: the local one alone gives the exact
+        # gradient once the engine averages the ranks; FastCLIP's code lets both carry it
+        tau_halves = None
+        if tau is not None and tau.requires_grad:
+            tau_halves = "both" if self.fastclip_code else "local"
+        tau_input = tau if tau_halves else image_features.new_zeros(())
+        phi = Surrogate.apply(image_features, text_features, tau_input, ops, stats, coef, tau_halves)
 
         log_eps_g1 = torch.logaddexp(log_g1, log_eps)  # log(eps + g)
         log_eps_g2 = torch.logaddexp(log_g2, log_eps)
         metrics = {"gamma": gamma, "state/log_u_mean": float(0.5 * (log_u1 + log_u2).mean())}
         if self.rgcl_g:
-            # tau_d·Phi + rho·tau + tau·1/2·mean(log(u+eps)): its gradient is RGCL-g's (SPEC's L_v3)
-            loss = tau.detach() * phi + self.cfg.rho * tau + tau * 0.5 * (log_den1 + log_den2).mean()
+            # tau_d·Phi + rho·tau + tau·1/2·mean(log(u+eps)): its gradient is RGCL-g's (SPEC's L_v3);
+            # FastCLIP's code takes log u without eps
+            log_u_sum = log_u1 + log_u2 if self.fastclip_code else log_den1 + log_den2
+            loss = tau.detach() * phi + self.cfg.rho * tau + tau * 0.5 * log_u_sum.mean()
             tau_value = float(tau.detach())
             objective = tau_value * float(0.5 * (log_eps_g1 + log_eps_g2).mean()) + self.cfg.rho * tau_value
         elif self.individual:

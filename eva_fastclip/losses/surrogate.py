@@ -114,11 +114,13 @@ def statistics(ops: Operands) -> Stats:
 class Surrogate(torch.autograd.Function):
     """Φ_k = ½ [ Σ_i (r1_i·s1_i + r2_i·s2_i) + Σ_j (q1_j·ŝ1_j + q2_j·ŝ2_j) ], where the detached
     coefficients r (rows) and q (columns) carry the exp(c), the 1/((B−1)(u+ε)) factors, the weights and
-    the means. Gradients flow to e1, e2 and, through the local half only, to a global tau."""
+    the means. Gradients flow to e1, e2 and, for ``tau_halves`` "local", through the local half to a
+    global tau (the exact gradient once the engine averages the ranks), or for "both" through both
+    halves as FastCLIP's code lets them (its τ-derivative twice, docs/losses.md); None: no tau gradient."""
 
     @staticmethod
-    def forward(ctx, e1, e2, tau, ops: Operands, stats: Stats, coef: dict, tau_is_global: bool):
-        ctx.ops, ctx.stats, ctx.coef, ctx.tau_is_global = ops, stats, coef, tau_is_global
+    def forward(ctx, e1, e2, tau, ops: Operands, stats: Stats, coef: dict, tau_halves: str | None):
+        ctx.ops, ctx.stats, ctx.coef, ctx.tau_halves = ops, stats, coef, tau_halves
         value = (
             (coef["r1"] * stats.row_s1).sum()
             + (coef["r2"] * stats.row_s2).sum()
@@ -147,17 +149,21 @@ class Surrogate(torch.autograd.Function):
             grad_p = -(p1.sum(1) / ops.tau1[r] + p2.sum(1) / ops.tau2[r])  # p_i = e1_i·e2_i in d1, d2
             grad_e1[r] = grad_a @ ops.all2 + grad_p.unsqueeze(1) * ops.e2[r]
             grad_e2[r] = grad_t @ ops.all1 + grad_p.unsqueeze(1) * ops.e1[r]
-            if ctx.tau_is_global:  # d(d)/d(tau) = −d/tau, local half only
+            if ctx.tau_halves is not None:  # d(d)/d(tau) = −d/tau
                 grad_tau = grad_tau - (
                     (p1 * torch.where(mask, d1, 0.0)).sum() + (p2 * torch.where(mask, d2, 0.0)).sum()
                 )
+            if ctx.tau_halves == "both":
+                grad_tau = grad_tau - (
+                    (q1 * torch.where(mask, dhat1, 0.0)).sum() + (q2 * torch.where(mask, dhat2, 0.0)).sum()
+                )
             del _, d1, d2, dhat2, dhat1, mask, p1, p2, q1, q2, grad_a, grad_t  # (as in statistics)
-        grad_tau = grad_tau / ops.tau1[0] if ctx.tau_is_global else None
+        grad_tau = grad_tau / ops.tau1[0] if ctx.tau_halves is not None else None
         # in place: two more b×d copies would be the largest buffers of the whole loss step
         return (
             grad_e1.mul_(grad_out),
             grad_e2.mul_(grad_out),
-            (grad_out * grad_tau if ctx.tau_is_global else None),
+            (grad_out * grad_tau if ctx.tau_halves is not None else None),
             None,
             None,
             None,
