@@ -128,6 +128,7 @@ def cmd_train(args) -> int:
         summary = {
             "world_size": world_size,
             "global_batch": layout.global_batch,
+            "data": _data_sizes(cfg),
             "precision": {"name": precision.name, "reason": precision.reason, "warning": precision.warning},
             "experiment": cfg.to_dict(),
             "deepspeed": resolved,
@@ -138,6 +139,27 @@ def cmd_train(args) -> int:
 
     Trainer(cfg, ds, resume=args.resume).train()
     return 0
+
+
+def _data_sizes(cfg) -> dict:
+    """Samples per epoch and per-sample table rows, and where each comes from, when the shards are here."""
+    from dataclasses import asdict
+
+    from eva_fastclip.data import expand_urls, resolve_sizes
+    from eva_fastclip.losses import LOSSES, CompositionalLoss
+
+    try:
+        urls = expand_urls(cfg.data.train_shards)
+    except FileNotFoundError as err:
+        return {"not_checked": str(err)}
+    sizes = resolve_sizes(
+        urls,
+        num_samples=cfg.data.num_samples,
+        index_size=cfg.data.index_size,
+        needs_index=issubclass(LOSSES[cfg.loss.name], CompositionalLoss),
+        index_key=cfg.data.index_key,
+    )
+    return asdict(sizes)
 
 
 def cmd_eval(args) -> int:

@@ -64,19 +64,25 @@ class ModelConfig:
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
     train_shards: list[str] = field(default_factory=lambda: ["data/toy/train"])
-    """Shard sources: brace patterns ("dir/shard-{000000..000099}.tar") or folders with a manifest.json."""
+    """Shard sources: brace patterns ("dir/{00000..00331}.tar") or folders (the shards our manifest.json
+    lists, else every *.tar)."""
     train_weights: list[float] | None = None
     """Sampling weight per source (resampled mode only)."""
     resampled: bool = False
     """Draw shards with replacement (an endless stream cut into epochs) instead of once per epoch."""
     num_samples: int | None = None
-    """Samples per epoch; read from the sources' manifests when null."""
+    """Samples per epoch; null: read from the data (our manifest.json, img2dataset's *_stats.json,
+    OpenCLIP's sizes.json or __len__)."""
+    index_size: int | None = None
+    """Rows of the per-sample table, above every sample's index (FastCLIP's data_size); null: read from
+    our manifest.json or img2dataset's *.parquet. Only losses with per-sample state use it."""
     shuffle_buffer: int = 1000
     """Samples held in the shuffle buffer of each loader worker."""
     workers: int = 2
     """Loader worker processes per rank."""
-    index_key: str = "index"
-    """Key of the integer dataset index in each sample's .json (stable across epochs and restarts)."""
+    index_key: str = "key"
+    """Field of each sample's .json holding its stable dataset index: an integer or a string of digits
+    (img2dataset's "key", e.g. "000010005"; make-shards writes it too)."""
 
     def __post_init__(self) -> None:
         if not self.train_shards:
@@ -95,6 +101,10 @@ class DataConfig:
         _positive("data.workers", self.workers, allow_zero=True)
         if self.num_samples is not None:
             _positive("data.num_samples", self.num_samples)
+        if self.index_size is not None:
+            _positive("data.index_size", self.index_size)
+        if not self.index_key:
+            raise ConfigError('data.index_key is empty: name the .json field of the index, e.g. "key"')
 
 
 #: Each loss's defaults (SPEC.md, FastCLIP's scripts); a LossConfig key left null takes these.

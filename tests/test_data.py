@@ -3,23 +3,30 @@
 import collections
 import io
 import json
+import logging
 import tarfile
 from pathlib import Path
 
 import numpy as np
 import open_clip
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
 from torchvision import transforms
 
+from eva_fastclip.cli import main
+from eva_fastclip.config import ConfigError, load_config
 from eva_fastclip.data import (
     TOY_CLASSNAMES,
+    DataSizes,
     TrainLoader,
     build_classification_loader,
     build_retrieval_loader,
     expand_urls,
     read_manifest,
+    resolve_sizes,
     write_manifest,
     write_shard,
     write_shards,
@@ -322,7 +329,7 @@ def test_train_resampled_weights_mix_sources(tmp_path, tokenize):
     source_b = tmp_path / "b"
     source_b.mkdir()
     samples_b = [  # a second caption line must be ignored: the loaders use the first line
-        {"__key__": f"b{i}", "png": index_png(i), "txt": f"sample {i}\nanother caption", "json": {"index": i}}
+        {"__key__": f"b{i}", "png": index_png(i), "txt": f"sample {i}\nanother caption", "json": {"key": i}}
         for i in range(16, 32)
     ]
     write_shard(source_b / "shard-000000.tar", samples_b)
@@ -382,6 +389,7 @@ def test_unreadable_shard_is_skipped(tmp_path, tokenize):
         tokenize=tokenize,
         batch_size=4,
         num_samples=16,
+        index_size=8,
         shuffle_buffer=0,
         workers=0,
     )
@@ -406,30 +414,98 @@ def test_data_that_never_decodes_fails_loudly(tmp_path, tokenize, monkeypatch):
     assert len(list(loader)) == 24 and loader.skipped >= 48  # two passes, plus read-ahead
 
 
-def test_sample_without_index_is_a_format_error(tmp_path, tokenize):
-    write_shard(
-        tmp_path / "shard-000000.tar",
-        [{"__key__": f"k{i}", "png": index_png(i), "txt": "x", "json": {"id": i}} for i in range(4)],
-    )
-    write_manifest(tmp_path, shards=["shard-000000.tar"], samples_per_shard=[4], index_min=0, index_max=3)
-    loader = TrainLoader([str(tmp_path)], preprocess=PREPROCESS, tokenize=tokenize, batch_size=2, workers=0)
-    with pytest.raises(ValueError, match=r"shard-000000\.tar, sample 'k\d'.*has no 'index'"):
-        list(loader)
+def write_keyed_shard(folder: Path, metas: list) -> list[int]:
+    """One shard of samples "sample {i}" with the given .json (None: no .json at all); returns the i."""
+    folder.mkdir(parents=True, exist_ok=True)
+    samples = []
+    for i, meta in enumerate(metas):
+        sample = {"__key__": f"s{i:03d}", "png": index_png(i), "txt": f"sample {i}"}
+        samples.append(sample if meta is None else {**sample, "json": meta})
+    write_shard(folder / "shard-000000.tar", samples)
+    return list(range(len(metas)))
 
 
-def test_train_loader_needs_a_sample_count(tmp_path, tokenize):
-    write_shard(
-        tmp_path / "data.tar", [{"__key__": "k", "png": index_png(0), "txt": "x", "json": {"index": 0}}]
+# .json fields of samples 0..7: four usable indices in [0, 10) (int or digits), four that are not
+UNUSABLE = {1: {"id": 3}, 3: {"key": "12"}, 5: {"key": "n/a"}, 7: None}
+KEYED = [UNUSABLE.get(i, {"key": [4, None, "0000009", None, 0, None, 7, None][i]}) for i in range(8)]
+
+
+def test_unusable_index_is_skipped_and_counted_when_state_needs_it(tmp_path, tokenize):
+    write_keyed_shard(tmp_path, KEYED)
+    loader = TrainLoader(
+        [str(tmp_path / "shard-000000.tar")],
+        preprocess=PREPROCESS,
+        tokenize=tokenize,
+        batch_size=2,
+        num_samples=4,
+        index_size=10,
+        shuffle_buffer=0,
+        workers=0,
     )
-    with pytest.raises(ValueError, match="set data.num_samples"):
-        TrainLoader([str(tmp_path / "data.tar")], preprocess=PREPROCESS, tokenize=tokenize, batch_size=1)
+    assert (loader.dataset_size, loader.sizes.index_size_from) == (10, "data.index_size")
+    batches = list(loader)
+    assert [batch[2].tolist() for batch in batches] == [[4, 9], [0, 7]]
+    positions = [[index_from_image(image) for image in batch[0]] for batch in batches]
+    assert positions == [[0, 2], [4, 6]]  # the samples with a usable index, with their own images
+    for (_, tokens, _), rows in zip(batches, positions):
+        assert torch.equal(tokens, tokenize([f"sample {row}" for row in rows]))
+    assert loader.skipped == 4  # missing key, 12 >= index_size, "n/a", no .json
+
+
+def test_unusable_index_never_matters_without_per_sample_state(tmp_path, tokenize):
+    write_keyed_shard(tmp_path, KEYED)
+    loader = TrainLoader(
+        [str(tmp_path / "shard-000000.tar")],
+        preprocess=PREPROCESS,
+        tokenize=tokenize,
+        batch_size=4,
+        num_samples=8,
+        needs_index=False,
+        shuffle_buffer=0,
+        workers=0,
+    )
+    assert loader.dataset_size is None and loader.sizes.index_size_from is None
+    indices = torch.cat([batch[2] for batch in loader]).tolist()
+    assert indices == [4, -1, 9, 12, 0, -1, 7, -1] and loader.skipped == 0
+
+
+def test_integer_index_field_is_configurable(tmp_path, tokenize):
+    write_keyed_shard(tmp_path, [{"id": 5 - i, "key": "x"} for i in range(4)])
+    loader = TrainLoader(
+        [str(tmp_path / "shard-000000.tar")],
+        preprocess=PREPROCESS,
+        tokenize=tokenize,
+        batch_size=4,
+        num_samples=4,
+        index_size=6,
+        index_key="id",
+        shuffle_buffer=0,
+        workers=0,
+    )
+    assert next(iter(loader))[2].tolist() == [5, 4, 3, 2] and loader.skipped == 0
+
+
+def test_train_loader_needs_its_sizes(tmp_path, tokenize):
+    shard = [str(tmp_path / "data.tar")]
+    write_shard(shard[0], [{"__key__": "k", "png": index_png(0), "txt": "x", "json": {"key": 0}}])
+    with pytest.raises(ValueError, match=r"no record counts the samples of .*data\.tar.*data\.num_samples"):
+        TrainLoader(shard, preprocess=PREPROCESS, tokenize=tokenize, batch_size=1)
+    with pytest.raises(ValueError, match=r"no record bounds the indices of .*set data\.index_size"):
+        TrainLoader(shard, preprocess=PREPROCESS, tokenize=tokenize, batch_size=1, num_samples=1)
+    # a loss without per-sample state needs no table, so nothing has to bound the indices
+    loader = TrainLoader(
+        shard,
+        preprocess=PREPROCESS,
+        tokenize=tokenize,
+        batch_size=1,
+        num_samples=1,
+        needs_index=False,
+        workers=0,
+    )
+    assert (loader.num_samples, loader.dataset_size) == (1, None)
     with pytest.raises(ValueError, match="do not fill one batch"):
         TrainLoader(
-            [str(tmp_path / "data.tar")],
-            preprocess=PREPROCESS,
-            tokenize=tokenize,
-            batch_size=4,
-            num_samples=3,
+            shard, preprocess=PREPROCESS, tokenize=tokenize, batch_size=4, num_samples=3, index_size=1
         )
 
 
@@ -439,6 +515,107 @@ def test_train_loader_on_toy_data(toy_dir, tokenize):
     )
     indices = torch.cat([batch[2] for batch in loader])
     assert loader.num_batches == 5 and sorted(indices.tolist()) == list(range(40))
+
+
+# --- size records and other tools' files -----------------------------------------------------------------
+
+
+def test_foreign_manifest_never_blocks(tmp_path, tokenize, caplog):
+    shards = make_indexed_shards(tmp_path, count=8, per_shard=4)
+    (shards / "manifest.json").write_text(json.dumps({"format": "some-other-tool", "files": ["x"]}))
+    (shards / "sizes.json").write_text(json.dumps({"shard-000000.tar": 4, "shard-000001.tar": 4}))
+    assert read_manifest(shards) is None
+    pattern = str(shards / "shard-{000000..000001}.tar")
+    loader = TrainLoader(
+        [pattern], preprocess=PREPROCESS, tokenize=tokenize, batch_size=4, index_size=8, workers=0
+    )
+    assert loader.sizes == DataSizes(8, "sizes.json", 8, "data.index_size")
+    assert sorted(index for batch in loader for index in check_batch(batch, tokenize, 4)) == list(range(8))
+    # a folder source reads its *.tar files instead, and says so
+    with caplog.at_level(logging.INFO, logger="eva_fastclip.data.pipeline"):
+        assert expand_urls(str(shards)) == expand_urls(pattern)
+    assert "another tool's" in caplog.text
+    (shards / "manifest.json").write_text("format: not json at all\n")
+    assert read_manifest(shards) is None and expand_urls(str(shards)) == expand_urls(pattern)
+    # our own manifest, broken, is still an error
+    (shards / "manifest.json").write_text(json.dumps({"format": "eva_fastclip-shards", "shards": []}))
+    with pytest.raises(ValueError, match="manifest lacks"):
+        read_manifest(shards)
+
+
+def test_openclip_sizes_json_and_len(tmp_path):
+    for name in ("a.tar", "b.tar"):
+        write_shard(tmp_path / name, [{"__key__": "k", "png": index_png(0), "txt": "x"}])
+    a, b = str(tmp_path / "a.tar"), str(tmp_path / "b.tar")
+    (tmp_path / "__len__").write_text("1000\n")
+    # __len__ counts the whole folder: it serves when every *.tar of it is used, and no subset
+    assert resolve_sizes([a, b], needs_index=False) == DataSizes(1000, "__len__", None, None)
+    with pytest.raises(ValueError, match=r"no record counts the samples of .*b\.tar"):
+        resolve_sizes([b], needs_index=False)
+    # sizes.json counts each shard by its name, and comes before __len__
+    (tmp_path / "sizes.json").write_text(json.dumps({"a.tar": 300, "b.tar": "700"}))
+    assert resolve_sizes([b, a, b], needs_index=False).num_samples == 700 + 300 + 700
+    assert resolve_sizes([b], needs_index=False).num_samples_from == "sizes.json"
+    # neither says anything of the indices
+    with pytest.raises(ValueError, match="set data.index_size"):
+        resolve_sizes([a, b])
+    (tmp_path / "sizes.json").write_text(json.dumps({"a.tar": -3}))
+    with pytest.raises(ValueError, match=r"sizes\.json, 'a\.tar': -3 is not a sample count"):
+        resolve_sizes([a], needs_index=False)
+    with pytest.raises(ValueError, match=r"s3://bucket/a\.tar is remote.*set data\.num_samples"):
+        resolve_sizes(["s3://bucket/a.tar"], needs_index=False)
+
+
+def test_sizes_of_mixed_sources_add_up(tmp_path):
+    ours = make_indexed_shards(tmp_path / "ours", count=12, per_shard=8)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    write_shard(theirs / "00000.tar", [{"__key__": "0000500", "png": index_png(0), "txt": "x"}])
+    (theirs / "00000_stats.json").write_text(json.dumps({"count": 1, "successes": 1}))
+    pq.write_table(pa.table({"key": ["0000500", "0000517"]}), theirs / "00000.parquet")
+    urls = expand_urls([str(ours), str(theirs / "00000.tar")])
+    both = "img2dataset *_stats.json + manifest.json", "img2dataset *.parquet + manifest.json"
+    assert resolve_sizes(urls) == DataSizes(13, both[0], 518, both[1])
+    (theirs / "00000_stats.json").write_text(json.dumps({"count": 1}))
+    with pytest.raises(ValueError, match=r"00000_stats\.json, 'successes': None is not a sample count"):
+        resolve_sizes(urls)
+    pq.write_table(pa.table({"key": ["0000500", "5x"]}), theirs / "00000.parquet")
+    with pytest.raises(ValueError, match=r"00000\.parquet: column 'key' holds values that are not integers"):
+        resolve_sizes(urls, num_samples=13)
+    with pytest.raises(ValueError, match=r"00000\.parquet has no column 'index'.*set data\.index_size"):
+        resolve_sizes(urls, num_samples=13, index_key="index")
+
+
+def test_data_config_keys():
+    data = load_config(None, []).data
+    assert (data.index_key, data.index_size, data.num_samples) == ("key", None, None)
+    with pytest.raises(ConfigError, match=r"data\.index_size must be > 0"):
+        load_config(None, ["data.index_size=0"])
+    with pytest.raises(ConfigError, match=r"data\.index_key is empty"):
+        load_config(None, ["data.index_key="])
+
+
+def test_dry_run_says_where_the_sizes_come_from(toy_dir, capsys):
+    argv = ["train", "--config", "configs/toy.json", "--set", f'data.train_shards=["{toy_dir / "train"}"]']
+    assert main(argv + ["--set", "loss.name=fastclip_v3", "--dry-run"]) == 0
+    printed = json.loads(capsys.readouterr().out)["data"]
+    assert printed == {
+        "num_samples": 40,
+        "num_samples_from": "manifest.json",
+        "index_size": 40,
+        "index_size_from": "manifest.json",
+    }
+    assert main(argv + ["--set", "data.num_samples=16", "--dry-run"]) == 0
+    printed = json.loads(capsys.readouterr().out)["data"]
+    assert printed == {
+        "num_samples": 16,
+        "num_samples_from": "data.num_samples",
+        "index_size": None,  # the OpenCLIP loss keeps no per-sample table
+        "index_size_from": None,
+    }
+    missing = ["--set", f'data.train_shards=["{toy_dir / "nowhere"}"]', "--dry-run"]
+    assert main(["train", "--config", "configs/toy.json", *missing]) == 0
+    assert "shards do not exist" in json.loads(capsys.readouterr().out)["data"]["not_checked"]
 
 
 # --- evaluation loaders ---------------------------------------------------------------------------------

@@ -33,7 +33,8 @@ import webdataset as wds
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from .shards import manifest_totals, read_manifest
+from .shards import MANIFEST_NAME, read_manifest
+from .sizes import is_remote, resolve_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ Tokenize = Callable[[list[str]], Tensor]
 def expand_urls(patterns: str | Sequence[str]) -> list[str]:
     """Shard URLs from brace patterns ("dir/shard-{000000..000007}.tar"), "::"-joined lists and folders.
 
-    A folder expands to the shards its manifest.json lists (or, without a manifest, its ``*.tar`` files).
+    A folder expands to the shards its manifest.json lists (or, without one of ours, its ``*.tar`` files).
     Local paths must exist: a typo fails here with FileNotFoundError, not later inside a loader worker.
     """
     if isinstance(patterns, str):
@@ -62,12 +63,8 @@ def expand_urls(patterns: str | Sequence[str]) -> list[str]:
     return urls
 
 
-def _is_remote(url: str) -> bool:
-    return "://" in url or url.startswith("pipe:")
-
-
 def _expand_pattern(pattern: str) -> list[str]:
-    if _is_remote(pattern):
+    if is_remote(pattern):
         return list(braceexpand.braceexpand(pattern))
     if os.path.isdir(pattern):
         return _shards_in_folder(pattern)
@@ -80,8 +77,14 @@ def _shards_in_folder(folder: str) -> list[str]:
     manifest = read_manifest(folder)
     if manifest is not None:
         urls = [os.path.join(folder, name) for name in manifest["shards"]]
-        _require_files(urls, f"{os.path.join(folder, 'manifest.json')}")
+        _require_files(urls, f"{os.path.join(folder, MANIFEST_NAME)}")
     else:
+        if os.path.isfile(os.path.join(folder, MANIFEST_NAME)):
+            logger.info(
+                "%s: its %s is another tool's, not eva_fastclip's: reading the folder's *.tar files",
+                folder,
+                MANIFEST_NAME,
+            )
         urls = sorted(glob.glob(os.path.join(glob.escape(folder), "*.tar")))
     if not urls:
         raise FileNotFoundError(
@@ -108,8 +111,22 @@ def _first_line(text: str) -> str:
     return text.strip().split("\n", 1)[0].strip()
 
 
+def _parse_index(value: Any) -> int | None:
+    """A dataset index from a .json field: an integer or a string of digits (img2dataset's "000010005",
+    read as FastCLIP reads it, ``int(key)``); None for anything else."""
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63:
+        return value
+    return None
+
+
+class _UnusableIndex(ValueError):
+    """A sample's index is missing or outside the per-sample table: it is skipped like a corrupt one."""
+
+
 class _FailureLog:
-    """Webdataset exception handler: skips unreadable samples, counts them, stops a stream that only fails.
+    """Webdataset exception handler: skips unusable samples, counts them, stops a stream that only fails.
 
     The count lives in shared memory created before the DataLoader starts its workers, so the skips of
     every worker add up. A long run of failures with no good sample in between (e.g. every image in a
@@ -131,7 +148,7 @@ class _FailureLog:
             self._total.value += 1
         if self._warned < _WARNINGS_PER_PROCESS:
             self._warned += 1
-            logger.warning("skipping unreadable sample: %s", repr(exn)[:500])
+            logger.warning("skipping sample: %s", repr(exn)[:500])
         self._count_failure(repr(exn)[:500])
         return True
 
@@ -146,7 +163,8 @@ class _FailureLog:
         if self._in_a_row >= self.max_in_a_row:
             raise RuntimeError(
                 f"{self._in_a_row} samples or shards in a row could not be read (last: {what}); "
-                "the data is missing, corrupt or in a format PIL cannot decode"
+                "the data is missing or corrupt, in a format PIL cannot decode, or without usable "
+                "indices (data.index_key, data.index_size)"
             )
 
 
@@ -154,7 +172,13 @@ class TrainLoader:
     """Training batches ``(images [b,3,H,W] float, tokens [b,ctx] long, indices [b] int64)`` from shards.
 
     Every rank yields exactly ``num_batches`` full batches per epoch. ``indices`` are the samples' stable
-    dataset indices, read from ``.json[index_key]``. Call :meth:`set_epoch` before iterating each epoch.
+    dataset indices, read from ``.json[index_key]`` (an integer or a string of digits). Call
+    :meth:`set_epoch` before iterating each epoch.
+
+    ``num_samples`` (samples per epoch) and ``index_size`` (rows of the per-sample table) are taken as
+    given or read from the records beside the shards (see :mod:`.sizes`). With ``needs_index`` a sample
+    whose index is missing or not below ``index_size`` is skipped and counted like a corrupt one; without
+    it (a loss that keeps no per-sample state) indices are passed on unchecked, -1 where there is none.
     """
 
     def __init__(
@@ -170,9 +194,11 @@ class TrainLoader:
         resampled: bool = False,
         weights: Sequence[float] | None = None,
         num_samples: int | None = None,
+        index_size: int | None = None,
+        needs_index: bool = True,
         shuffle_buffer: int = 1000,
         workers: int = 2,
-        index_key: str = "index",
+        index_key: str = "key",
     ) -> None:
         if isinstance(sources, str):
             sources = [sources]
@@ -197,6 +223,7 @@ class TrainLoader:
         self.shuffle_buffer = shuffle_buffer
         self.workers = workers
         self.index_key = index_key
+        self.needs_index = needs_index
         self.epoch = 0
 
         per_source = [expand_urls(source) for source in sources]
@@ -207,17 +234,25 @@ class TrainLoader:
             raise ValueError("per-source weights need resampled=True (data.resampled)")
         self._cum_weights = self._shard_cum_weights(per_source, weights) if resampled else None
 
-        totals = manifest_totals(self.urls)
-        if num_samples is None:
-            if totals is None:
-                raise ValueError(
-                    f"cannot tell how many samples {list(sources)} hold (no manifest.json lists all "
-                    "their shards); set data.num_samples"
-                )
-            num_samples = totals.num_samples
-        self.num_samples = num_samples
-        # Size of per-sample state tables; without manifests the indices are assumed to be < num_samples.
-        self.dataset_size = totals.dataset_size if totals is not None else num_samples
+        self.sizes = resolve_sizes(
+            self.urls,
+            num_samples=num_samples,
+            index_size=index_size,
+            needs_index=needs_index,
+            index_key=index_key,
+        )
+        self.num_samples = num_samples = self.sizes.num_samples
+        # Rows of the per-sample table (data.index_size); None when no loss keeps per-sample state.
+        self.dataset_size = self.sizes.index_size
+        if rank == 0:
+            logger.info(
+                "%d samples per epoch (from %s); per-sample table: %s",
+                num_samples,
+                self.sizes.num_samples_from,
+                "not needed"
+                if self.dataset_size is None
+                else f"{self.dataset_size} rows (from {self.sizes.index_size_from})",
+            )
         self.num_batches = num_samples // (batch_size * world_size)
         if self.num_batches < 1:
             raise ValueError(
@@ -247,7 +282,7 @@ class TrainLoader:
 
     @property
     def skipped(self) -> int:
-        """Unreadable samples skipped so far, summed over all loader workers and epochs."""
+        """Samples skipped so far (unreadable, or without a usable index), summed over workers and epochs."""
         return self._failures.total
 
     def set_epoch(self, epoch: int) -> None:
@@ -261,7 +296,7 @@ class TrainLoader:
         pipeline = wds.DataPipeline(
             functools.partial(self._raw_samples, self.epoch),
             wds.decode("pil", handler=self._failures),
-            wds.map(self._to_example),
+            wds.map(self._to_example, handler=self._skip_unusable_index),
             wds.batched(self.batch_size, collation_fn=self._collate, partial=False),
         ).with_epoch(batches_per_worker)
         loader = DataLoader(pipeline, batch_size=None, num_workers=self.workers, persistent_workers=False)
@@ -301,7 +336,7 @@ class TrainLoader:
         return wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer, rng=rng)(samples)
 
     def _to_example(self, sample: dict[str, Any]) -> tuple[Tensor, str, int]:
-        # Missing fields are a data-format problem, so they raise instead of being skipped as corrupt.
+        # A missing image or caption is a data-format problem, so it raises instead of being skipped.
         where = f"shard {sample.get('__url__')}, sample {sample.get('__key__')!r}"
         image = next((sample[key] for key in IMAGE_KEYS if key in sample), None)
         if image is None:
@@ -309,19 +344,22 @@ class TrainLoader:
         if "txt" not in sample:
             raise ValueError(f"{where}: no caption (.txt)")
         meta = sample.get("json")
-        if not isinstance(meta, dict) or self.index_key not in meta:
-            raise ValueError(
-                f"{where}: its .json has no {self.index_key!r} (the stable dataset index); "
-                "write the shards with make-shards or set data.index_key"
-            )
-        index = meta[self.index_key]
-        if not isinstance(index, int) or not 0 <= index < self.dataset_size:
-            raise ValueError(
-                f"{where}: {self.index_key}={index!r} is not an integer in [0, {self.dataset_size}); "
-                "is the manifest.json stale, or data.num_samples too small for data without manifests?"
+        index = _parse_index(meta.get(self.index_key)) if isinstance(meta, dict) else None
+        if self.needs_index and (index is None or index >= self.dataset_size):
+            # a wrong index would silently corrupt another sample's per-sample state
+            if not isinstance(meta, dict) or self.index_key not in meta:
+                raise _UnusableIndex(f"{where}: its .json has no {self.index_key!r} (data.index_key)")
+            raise _UnusableIndex(
+                f"{where}: {self.index_key}={meta[self.index_key]!r} is not an index in "
+                f"[0, {self.dataset_size}) (data.index_size: {self.sizes.index_size_from})"
             )
         self._failures.note_success()
-        return self.preprocess(image), _first_line(sample["txt"]), index
+        return self.preprocess(image), _first_line(sample["txt"]), -1 if index is None else index
+
+    def _skip_unusable_index(self, exn: Exception) -> bool:
+        if isinstance(exn, _UnusableIndex):
+            return self._failures(exn)
+        raise exn
 
     def _collate(self, examples: list[tuple[Tensor, str, int]]) -> tuple[Tensor, Tensor, Tensor]:
         images, captions, indices = zip(*examples)

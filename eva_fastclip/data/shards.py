@@ -1,8 +1,9 @@
 """Write image-text pairs as webdataset tar shards with a manifest, and read manifests back.
 
 Shards use the img2dataset layout: ``{key}.{jpg,png,webp}``, ``{key}.txt`` (caption) and ``{key}.json``
-(at least ``index``, ``key`` and ``caption``). ``index`` is the sample's stable dataset index: the loaders
-use it to address per-sample state, so it must never change when shards are rewritten.
+(at least ``index``, ``key`` and ``caption``). ``index`` is the sample's stable dataset index and ``key``
+the same number zero-padded, as img2dataset writes it: the loaders read it (``data.index_key``) to
+address per-sample state, so it must never change when shards are rewritten.
 
 Every shard folder carries a ``manifest.json``::
 
@@ -20,7 +21,7 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import PIL.Image
 import webdataset as wds
@@ -105,7 +106,12 @@ def write_manifest(
 
 
 def read_manifest(path_or_dir: str | os.PathLike) -> dict[str, Any] | None:
-    """The manifest at ``path_or_dir`` (a manifest.json or the folder holding one); None if there is none."""
+    """Our manifest at ``path_or_dir`` (a manifest.json or the folder holding one).
+
+    None if there is none, or if the file is another tool's (not JSON, or no ``"format":
+    "eva_fastclip-shards"``): a folder of downloaded shards may hold any tool's manifest.json, and it
+    must not stop a run that lists the shards itself. ValueError if it is ours but incomplete.
+    """
     path = Path(path_or_dir)
     if path.is_dir():
         path = path / MANIFEST_NAME
@@ -113,50 +119,16 @@ def read_manifest(path_or_dir: str | os.PathLike) -> dict[str, Any] | None:
         return None
     try:
         manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+    except json.JSONDecodeError:
+        return None
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        raise ValueError(f"{path}: not an {MANIFEST_FORMAT} manifest (missing or wrong 'format')")
+        return None
     missing = [key for key in ("shards", "samples_per_shard", "index_max") if key not in manifest]
     if missing:
         raise ValueError(f"{path}: manifest lacks {missing}")
     if len(manifest["shards"]) != len(manifest["samples_per_shard"]):
         raise ValueError(f"{path}: 'shards' and 'samples_per_shard' have different lengths")
     return manifest
-
-
-class ManifestTotals(NamedTuple):
-    num_samples: int
-    """Samples in the given shards, summed from their manifests."""
-    dataset_size: int
-    """1 + the largest index in any manifest involved: the size of a per-sample state table."""
-
-
-def manifest_totals(shard_paths: Sequence[str]) -> ManifestTotals | None:
-    """Sample count and index bound of local shards, from the manifests beside them.
-
-    None when any shard is remote or not listed in a manifest of its folder: the caller must then be told
-    the number of samples.
-    """
-    manifests: dict[Path, dict[str, Any] | None] = {}
-    num_samples = 0
-    dataset_size = 0
-    for shard in shard_paths:
-        if "://" in shard or shard.startswith("pipe:"):
-            return None
-        folder = Path(shard).parent
-        if folder not in manifests:
-            manifests[folder] = read_manifest(folder)
-        manifest = manifests[folder]
-        if manifest is None:
-            return None
-        sizes = dict(zip(manifest["shards"], manifest["samples_per_shard"]))
-        if Path(shard).name not in sizes:
-            return None
-        num_samples += sizes[Path(shard).name]
-        if manifest["index_max"] is not None:
-            dataset_size = max(dataset_size, manifest["index_max"] + 1)
-    return ManifestTotals(num_samples=num_samples, dataset_size=dataset_size)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from eva_fastclip.engine.setup import (
     resolve_deepspeed_config,
     resolve_precision,
 )
-from eva_fastclip.losses import Gatherer, build_loss
+from eva_fastclip.losses import LOSSES, CompositionalLoss, Gatherer, build_loss
 from eva_fastclip.models import create_model
 from eva_fastclip.models.kernels import configure_kernels
 from eva_fastclip.models.masking import set_patch_dropout
@@ -75,6 +75,9 @@ class Trainer:
             resampled=cfg.data.resampled,
             weights=cfg.data.train_weights,
             num_samples=cfg.data.num_samples,
+            index_size=cfg.data.index_size,
+            # only per-sample state needs indices: the OpenCLIP loss trains on samples without one
+            needs_index=issubclass(LOSSES[cfg.loss.name], CompositionalLoss),
             shuffle_buffer=cfg.data.shuffle_buffer,
             workers=cfg.data.workers,
             index_key=cfg.data.index_key,

@@ -28,9 +28,7 @@ class PerSampleTable:
 
     def __init__(self, size: int, fields: dict[str, float], gatherer: Gatherer) -> None:
         if size < 1:
-            raise ValueError(
-                f"the per-sample table needs the dataset size (got {size}); set data.num_samples"
-            )
+            raise ValueError(f"the per-sample table needs the dataset size (got {size}); set data.index_size")
         self.size = size
         self.fields = list(fields)
         self.gatherer = gatherer
@@ -80,7 +78,7 @@ class PerSampleTable:
         if len(indices) and (int(indices.min()) < 0 or int(indices.max()) >= self.size):
             raise IndexError(
                 f"dataset index {int(indices.max())} is outside the per-sample table of {self.size} rows: "
-                "the table is sized from the manifests (or data.num_samples); check the shards' indices"
+                "the table is sized by data.index_size (or the shards' records); check the shards' indices"
             )
 
     # ---- checkpoints ---------------------------------------------------------------------------------

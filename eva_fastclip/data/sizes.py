@@ -1,0 +1,248 @@
+"""The two sizes a run takes from its shards, kept apart as FastCLIP keeps them.
+
+- ``num_samples``: samples per epoch, what the shards hold (``data.num_samples``).
+- ``index_size``: rows of the per-sample state table, above every index a sample carries
+  (``data.index_size``, FastCLIP's ``--data_size``). It exceeds ``num_samples`` wherever indices have
+  gaps: img2dataset's keys skip every failed download (CC3M: 3,318,333 rows for 2,723,840 samples).
+
+A number given in the config wins and nothing is read for it. Otherwise every shard's share comes from
+the first record beside it that has one:
+
+======================================  ============================  ====================================
+record (writer)                         samples                       index bound
+======================================  ============================  ====================================
+``manifest.json`` (make-shards)         ``samples_per_shard``         ``index_max`` + 1
+``sizes.json`` (OpenCLIP)               ``{shard name: count}``
+``{shard}_stats.json`` (img2dataset)    ``successes``
+``{shard}.parquet`` (img2dataset)                                     1 + the largest ``index_key`` value
+``__len__`` (OpenCLIP)                  the folder's total, when
+                                        all its ``*.tar`` are used
+======================================  ============================  ====================================
+
+img2dataset's key is ``shard_id * 10**k + row`` and its parquet holds every input row, failed downloads
+included, so 1 + its largest key is never below a key any sample carries, and with shards of a power of
+ten rows (the default) it is the number of input rows (CC3M: exactly FastCLIP's 3,318,333). A shard with
+no record leaves its number unknown: then the config must give it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from .shards import MANIFEST_NAME, read_manifest
+
+FROM_MANIFEST = MANIFEST_NAME
+FROM_SIZES_JSON = "sizes.json"
+FROM_LEN = "__len__"
+FROM_STATS = "img2dataset *_stats.json"
+FROM_PARQUET = "img2dataset *.parquet"
+
+
+@dataclass(frozen=True)
+class DataSizes:
+    num_samples: int
+    """Samples per epoch."""
+    num_samples_from: str
+    """Where it was read: "data.num_samples" or the records, e.g. "img2dataset *_stats.json"."""
+    index_size: int | None
+    """Rows of the per-sample table (every index lies in [0, index_size)); None when no loss needs it."""
+    index_size_from: str | None
+    """Where it was read: "data.index_size" or the records; None with index_size."""
+
+
+class _NoRecord(Exception):
+    """A shard's number is not written anywhere beside it."""
+
+
+def resolve_sizes(
+    urls: Sequence[str],
+    *,
+    num_samples: int | None = None,
+    index_size: int | None = None,
+    needs_index: bool = True,
+    index_key: str = "key",
+) -> DataSizes:
+    """Samples per epoch and per-sample table size of the shards ``urls``: the given ones, else read.
+
+    ``index_size`` is only looked for when ``needs_index`` (a loss keeps per-sample state). ValueError
+    naming the config key to set when a number is neither given nor recorded.
+    """
+    records = _Records(index_key)
+    num_from = "data.num_samples"
+    if num_samples is None:
+        try:
+            num_samples, num_from = records.num_samples(urls)
+        except _NoRecord as missing:
+            raise ValueError(
+                f"cannot tell how many samples the shards hold: {missing} (records read: our "
+                "manifest.json, OpenCLIP's sizes.json or __len__, img2dataset's <shard>_stats.json); "
+                "set data.num_samples"
+            ) from None
+    index_from: str | None = None
+    if not needs_index:
+        index_size = None
+    elif index_size is not None:
+        index_from = "data.index_size"
+    else:
+        try:
+            index_size, index_from = records.index_size(urls)
+        except _NoRecord as missing:
+            raise ValueError(
+                f"cannot tell how many rows the per-sample table needs: {missing} (records read: our "
+                "manifest.json, img2dataset's <shard>.parquet); set data.index_size above every "
+                "sample's index (FastCLIP's data_size)"
+            ) from None
+        if index_size < 1:
+            raise ValueError(f"the records of the shards hold no index ({index_from}); set data.index_size")
+    return DataSizes(num_samples, num_from, index_size, index_from)
+
+
+def _beside(shard: Path, suffix: str) -> Path:
+    """img2dataset's companion file: 00012.tar -> 00012.parquet, 00012_stats.json."""
+    return shard.with_name(shard.name.removesuffix(".tar") + suffix)
+
+
+def is_remote(url: str) -> bool:
+    """An object-store URL or a pipe: nothing beside it can be read here."""
+    return "://" in url or url.startswith("pipe:")
+
+
+def _count(value: Any, where: str) -> int:
+    try:
+        count = int(value)
+    except (TypeError, ValueError):
+        count = -1
+    if isinstance(value, (bool, float)) or count < 0:
+        raise ValueError(f"{where}: {value!r} is not a sample count")
+    return count
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+
+
+class _Folder:
+    """The records in one shard folder, each read when first needed."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @cached_property
+    def manifest(self) -> dict[str, Any] | None:
+        return read_manifest(self.path)  # None for another tool's manifest.json
+
+    @cached_property
+    def manifest_counts(self) -> dict[str, int]:
+        manifest = self.manifest or {"shards": [], "samples_per_shard": []}
+        return dict(zip(manifest["shards"], manifest["samples_per_shard"]))
+
+    @cached_property
+    def sizes_json(self) -> dict[str, int]:
+        path = self.path / "sizes.json"
+        if not path.is_file():
+            return {}
+        sizes = _read_json(path)
+        if not isinstance(sizes, dict):
+            raise ValueError(f"{path}: expected an object {{shard name: sample count}}")
+        return {name: _count(count, f"{path}, {name!r}") for name, count in sizes.items()}
+
+    @cached_property
+    def total(self) -> int | None:
+        path = self.path / "__len__"
+        return _count(path.read_text().strip(), str(path)) if path.is_file() else None
+
+    @cached_property
+    def tar_names(self) -> list[str]:
+        return sorted(name for name in os.listdir(self.path) if name.endswith(".tar"))
+
+
+class _Records:
+    def __init__(self, index_key: str) -> None:
+        self.index_key = index_key
+        self._folders: dict[Path, _Folder] = {}
+
+    def _folder(self, shard: Path) -> _Folder:
+        if shard.parent not in self._folders:
+            self._folders[shard.parent] = _Folder(shard.parent)
+        return self._folders[shard.parent]
+
+    def _shard_count(self, shard: Path) -> tuple[int, str] | None:
+        folder = self._folder(shard)
+        if shard.name in folder.manifest_counts:
+            return folder.manifest_counts[shard.name], FROM_MANIFEST
+        if shard.name in folder.sizes_json:
+            return folder.sizes_json[shard.name], FROM_SIZES_JSON
+        stats = _beside(shard, "_stats.json")
+        if not stats.is_file():
+            return None
+        record = _read_json(stats)
+        successes = record.get("successes") if isinstance(record, dict) else None
+        return _count(successes, f"{stats}, 'successes'"), FROM_STATS
+
+    def num_samples(self, urls: Sequence[str]) -> tuple[int, str]:
+        """Samples in ``urls`` (a shard listed twice counts twice) and the records they came from."""
+        by_folder: dict[Path, list[Path]] = {}
+        for url in urls:
+            if is_remote(url):
+                raise _NoRecord(f"{url} is remote")
+            by_folder.setdefault(Path(url).parent, []).append(Path(url))
+        total, origins = 0, set()
+        for folder_path, shards in by_folder.items():
+            counts = [self._shard_count(shard) for shard in shards]
+            folder = self._folders[folder_path]
+            if all(count is not None for count in counts):
+                total += sum(count for count, _ in counts)
+                origins |= {origin for _, origin in counts}
+            elif folder.total is not None and sorted(shard.name for shard in shards) == folder.tar_names:
+                total += folder.total
+                origins.add(FROM_LEN)
+            else:
+                missing = shards[[count is None for count in counts].index(True)]
+                raise _NoRecord(f"no record counts the samples of {missing}")
+        return total, " + ".join(sorted(origins))
+
+    def index_size(self, urls: Sequence[str]) -> tuple[int, str]:
+        """1 + the largest index any shard of ``urls`` may hold, and the records that say so."""
+        bound, origins = 0, set()
+        for url in dict.fromkeys(urls):
+            if is_remote(url):
+                raise _NoRecord(f"{url} is remote")
+            shard = Path(url)
+            folder = self._folder(shard)
+            if shard.name in folder.manifest_counts:
+                index_max = folder.manifest["index_max"]
+                bound = max(bound, 0 if index_max is None else index_max + 1)
+                origins.add(FROM_MANIFEST)
+                continue
+            parquet = _beside(shard, ".parquet")
+            if not parquet.is_file():
+                raise _NoRecord(f"no record bounds the indices of {shard}")
+            bound = max(bound, _parquet_bound(parquet, self.index_key))
+            origins.add(FROM_PARQUET)
+        return bound, " + ".join(sorted(origins))
+
+
+def _parquet_bound(path: Path, column: str) -> int:
+    """1 + the largest value of ``column`` over every row of an img2dataset parquet (0 if none)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(path)  # one column of one file: ~6x faster than pq.read_table
+    if column not in parquet.schema_arrow.names:
+        raise _NoRecord(f"{path} has no column {column!r} (data.index_key)")
+    values = parquet.read(columns=[column]).column(column)
+    try:
+        largest = pc.max(pc.cast(values, pa.int64())).as_py()
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+        raise ValueError(f"{path}: column {column!r} holds values that are not integers ({exc})") from None
+    return 0 if largest is None else largest + 1
