@@ -57,9 +57,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("export", help="write an fp32 open_clip state dict from a checkpoint folder")
+    p = sub.add_parser("export", help="write an fp32 open_clip state dict or model folder from a checkpoint")
     p.add_argument("--checkpoint", required=True, help="a complete checkpoint folder, e.g. .../step_00000500")
-    p.add_argument("--output", required=True, help="output file, e.g. model.pt")
+    p.add_argument(
+        "--output",
+        required=True,
+        help="a .pt/.pth file: the state dict; any other path: open_clip's own folder "
+        "(open_clip_config.json, open_clip_model.safetensors) that open_clip loads as local-dir:PATH "
+        "without eva_fastclip",
+    )
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("make-shards", help="turn a folder of images and a CSV/JSONL of captions into shards")

@@ -221,6 +221,24 @@ def _match_final_norm(converted: dict, target: Mapping, report: VisionLoadReport
 
 # -- tiny EVA-02 CLIP trunk for tests and the demo (open_clip config: configs/test-eva02-xs.json) --
 
+TEST_XS_ARGS = dict(
+    img_size=32,
+    patch_size=8,
+    embed_dim=32,
+    depth=2,
+    num_heads=2,
+    qkv_fused=False,
+    mlp_ratio=4 * 2 / 3,
+    swiglu_mlp=True,
+    scale_mlp=True,
+    scale_attn_inner=True,
+    use_rot_pos_emb=True,
+    ref_feat_shape=(4, 4),
+)
+# Our trunks as timm's own architecture with every argument of its entry point given: an export writes them
+# so, to build where eva_fastclip is not installed (export.py).
+TIMM_STANDINS = {"eva02_test_xs_patch8_clip_32": ("eva02_base_patch16_clip_224", TEST_XS_ARGS)}
+
 default_cfgs = generate_default_cfgs(
     {
         "eva02_test_xs_patch8_clip_32": {
@@ -246,18 +264,7 @@ def eva02_test_xs_patch8_clip_32(pretrained: bool = False, **kwargs) -> Eva:
     if pretrained:
         raise ValueError("eva02_test_xs_patch8_clip_32 is a test architecture without pretrained weights")
     model_args = dict(
-        img_size=32,
-        patch_size=8,
-        embed_dim=32,
-        depth=2,
-        num_heads=2,
-        qkv_fused=False,
-        mlp_ratio=4 * 2 / 3,
-        swiglu_mlp=True,
-        scale_mlp=True,
-        scale_attn_inner=True,
-        use_rot_pos_emb=True,
-        ref_feat_shape=(4, 4),
+        TEST_XS_ARGS,
         global_pool=kwargs.pop("global_pool", "token"),
         num_classes=kwargs.pop("num_classes", 0),
     )
