@@ -84,7 +84,7 @@ hub.get_hf_file_metadata = readme_missing
 hub.upload_folder = lambda folder_path, **kwargs: shutil.copytree(folder_path, pushed)
 if not isinstance(tokenizer, hub.HFTokenizer):
     hub.HFTokenizer = OfflineTokenizer
-hub.push_to_hf_hub(model, tokenizer, open_clip.get_model_config(name), repo_id="someone/model")
+hub.push_pretrained_to_hf_hub(name, pretrained=None, repo_id="someone/model")  # its command line's call
 again = open_clip.create_model(f"local-dir:{pushed}").eval()
 with torch.no_grad():
     result.update(pushed_image=again.encode_image(pixels), pushed_text=again.encode_text(tokens))
