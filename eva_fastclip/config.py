@@ -272,6 +272,9 @@ class OptimConfig:
     """Layer-wise lr decay of the vision tower: lr * decay^(L+1-l) for layer l of its L blocks (0.75)."""
     text_layer_decay: float = 1.0
     """Layer-wise lr decay of the text tower (EVA-CLIP: 0.75)."""
+    temperature_trust_ratio: bool = False
+    """LAMB: scale the learned temperature's step by its trust ratio like every other tensor's (FusedLamb's
+    own behaviour, EVA-CLIP); false: tau steps like Adam (ratio 1), as under FastCLIP's AdamW and LAMB."""
 
     def __post_init__(self) -> None:
         _positive("optim.lr", self.lr)

@@ -172,6 +172,7 @@ def test_dtype_and_optimizer_groups():
         "text.no_decay": (1e-3, 0.0),
         "other.decay": (1e-3, 0.1),
         "other.no_decay": (1e-3, 0.0),
+        "other.temperature": (1e-3, 0.0),
     }
     ds = resolve(load_deepspeed_config(Path("ds_configs/zero1_bf16_adamw.json")), cfg)
     assert isinstance(build_optimizer(ds, model, cfg.optim, cuda=False), torch.optim.AdamW)

@@ -206,7 +206,10 @@ def test_every_parameter_gets_its_eva_clip_lr_and_weight_decay(arch, timm_vit_na
         assert group["weight_decay"] == wd, name
         tower, layer = expected_layer(name, spec)
         kind = "decay" if wd > 0 else "no_decay"
-        assert group["name"] == (f"{tower}.layer_{layer:02d}.{kind}" if tower else f"other.{kind}"), name
+        if name == "logit_scale":  # a learned temperature is alone in its group
+            assert group["name"] == "other.temperature" and group["params"] == [param]
+        else:
+            assert group["name"] == (f"{tower}.layer_{layer:02d}.{kind}" if tower else f"other.{kind}"), name
     heads = [g for g in groups if g["name"].startswith("visual.layer") and g["lr"] == OPTIM.visual_lr]
     assert heads and all(g["layer_id"] == spec["blocks"]["visual"] + 1 for g in heads)
 
@@ -252,10 +255,25 @@ def test_temperature_gets_its_own_group_with_temperature_lr():
     assert temperature[0]["params"] == [model.logit_scale]
     assert (temperature[0]["lr"], temperature[0]["weight_decay"]) == (2e-4, 0.0)
     assert groups[-1] is temperature[0]
-    # without temperature_lr: a no-decay group at optim.lr, not the constant-lr "temperature" one
+    # without temperature_lr: its own group at optim.lr, not the constant-lr "temperature" one
     owner = group_of(parameter_groups(model, OPTIM))
     group = owner[id(model.logit_scale)]
-    assert (group["name"], group["lr"], group["weight_decay"]) == ("other.no_decay", OPTIM.lr, 0.0)
+    assert (group["name"], group["lr"], group["weight_decay"]) == ("other.temperature", OPTIM.lr, 0.0)
+    assert group["params"] == [model.logit_scale]
+
+
+@pytest.mark.parametrize("temperature_lr", [None, 2e-4])
+@pytest.mark.parametrize("trust_ratio", [False, True])
+def test_only_the_temperature_group_carries_the_trust_ratio_switch(temperature_lr, trust_ratio):
+    model = create_model(ModelConfig(name="test-vit-xs")).model
+    optim = OptimConfig(temperature_trust_ratio=trust_ratio)
+    owner = group_of(parameter_groups(model, optim, temperature_lr=temperature_lr))
+    for name, param in model.named_parameters():
+        group = owner[id(param)]
+        assert group.get("trust_ratio", "absent") == (trust_ratio if name == "logit_scale" else "absent"), (
+            name
+        )
+    assert OptimConfig().temperature_trust_ratio is False  # FastCLIP steps tau without a trust ratio
 
 
 def test_a_tower_without_readable_layers_is_refused_under_layer_decay():
@@ -268,7 +286,7 @@ def test_a_tower_without_readable_layers_is_refused_under_layer_decay():
         parameter_groups(model, OPTIM)
     # with layer decay 1 the layers do not matter: one lr for the tower
     groups = parameter_groups(model, OptimConfig(visual_lr=3e-4))
-    assert {g["name"] for g in groups} == {"visual.decay", "visual.no_decay", "other.no_decay"}
+    assert {g["name"] for g in groups} == {"visual.decay", "visual.no_decay", "other.temperature"}
     assert {g["lr"] for g in groups if g["name"].startswith("visual")} == {3e-4}
 
 

@@ -30,6 +30,8 @@ from eva_fastclip.models import parameter_groups
 from eva_fastclip.models.param_groups import TEMPERATURE_GROUP
 
 SUPPORTED_OPTIMIZERS = ("Lamb", "AdamW")
+#: FusedLamb's own settings that optimizer.params may hold for "Lamb"; both devices get them.
+LAMB_PARAMS = ("bias_correction", "eps_inside_sqrt", "max_coeff", "min_coeff")
 
 
 def load_deepspeed_config(path: str | Path) -> dict[str, Any]:
@@ -144,10 +146,13 @@ def build_optimizer(
     cuda: bool,
     temperature_lr: float | None = None,
 ) -> torch.optim.Optimizer:
-    """LAMB / AdamW over our parameter groups: DeepSpeed's fused kernels on CUDA, PyTorch ones on CPU.
+    """LAMB / AdamW over our parameter groups: DeepSpeed's fused kernels on CUDA, the same updates on CPU.
 
     ``ds`` is the resolved DeepSpeed JSON: its lr is the optimizer's default, while each group carries its
     own peak lr and weight decay from ``optim`` (per tower, per layer), which the schedule multiplies.
+    LAMB is DeepSpeed's FusedLamb on CUDA and our ``Lamb`` (the same update in PyTorch ops) elsewhere; a
+    group with ``trust_ratio`` False (the temperature, unless ``optim.temperature_trust_ratio``) gets the
+    trust-ratio bounds max_coeff = min_coeff = 1, which both read per group: an Adam step.
     """
     kind = ds["optimizer"]["type"]
     params = dict(ds["optimizer"]["params"])
@@ -161,23 +166,43 @@ def build_optimizer(
     groups = parameter_groups(model, optim, temperature_lr=temperature_lr)
     betas = tuple(params.pop("betas", (0.9, 0.98)))
     eps = params.pop("eps", 1e-6)
+    lamb_args = {key: params.pop(key) for key in LAMB_PARAMS if kind == "Lamb" and key in params}
     if params:
-        raise ConfigError(f"optimizer.params has keys eva_fastclip does not pass on: {sorted(params)}")
+        allowed = ["betas", "eps", *(LAMB_PARAMS if kind == "Lamb" else ())]
+        raise ConfigError(
+            f"optimizer.params has keys eva_fastclip does not pass on to {kind}: {sorted(params)} "
+            f"(it takes lr, weight_decay, {', '.join(allowed)}; the gradient is clipped by gradient_clipping)"
+        )
+    for group in groups:
+        if not group.pop("trust_ratio", True) and kind == "Lamb":
+            group.update(max_coeff=1.0, min_coeff=1.0)
     if kind == "Lamb":
         if cuda:
-            from deepspeed.ops.lamb import FusedLamb
-
-            return FusedLamb(groups, lr=lr, betas=betas, eps=eps)
-        from timm.optim import Lamb
-
-        # DeepSpeed already clips the global gradient norm (gradient_clipping): no second clip inside LAMB
-        return Lamb(groups, lr=lr, betas=betas, eps=eps, max_grad_norm=None)
+            from deepspeed.ops.lamb import FusedLamb as Lamb
+        else:
+            from eva_fastclip.engine.lamb import Lamb
+        optimizer = Lamb(groups, lr=lr, betas=betas, eps=eps, **lamb_args)
+        _keep_trust_ratio_bounds(optimizer)
+        return optimizer
     if cuda:
         from deepspeed.ops.adam import FusedAdam
 
         return FusedAdam(groups, lr=lr, betas=betas, eps=eps, adam_w_mode=True)
     # PyTorch's fused AdamW kernel (CPU too): one pass over the weights instead of one per foreach op
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+
+
+def _keep_trust_ratio_bounds(optimizer: torch.optim.Optimizer) -> None:
+    """Loading optimizer state replaces each group's settings with the saved ones; the trust-ratio bounds
+    must stay the config's, or a checkpoint from before a change of optim.temperature_trust_ratio (or from
+    before the key existed) would silently bring the old temperature step back."""
+    bounds = [(g["max_coeff"], g["min_coeff"]) for g in optimizer.param_groups]
+
+    def restore(opt: torch.optim.Optimizer) -> None:
+        for group, (high, low) in zip(opt.param_groups, bounds, strict=True):
+            group.update(max_coeff=high, min_coeff=low)
+
+    optimizer.register_load_state_dict_post_hook(restore)
 
 
 def warmup_cosine(step: int, *, warmup: int, total: int, min_ratio: float) -> float:

@@ -154,10 +154,12 @@ def parameter_groups(
     """Groups named like ``visual.layer_03.decay`` with their own peak ``lr`` and ``weight_decay``.
 
     Frozen parameters are left out, empty groups dropped. Parameters of neither tower go to
-    ``other.decay`` / ``other.no_decay`` at ``optim.lr``; with ``temperature_lr`` the logit_scale gets the
-    group ``temperature`` (no decay, constant lr: FastCLIP-v3 steps tau by its own group). A tower whose
-    layout cannot be read is an error when its layer decay is not 1; with decay 1 it gets one lr anyway,
-    and its groups are ``visual.decay`` / ``visual.no_decay``.
+    ``other.decay`` / ``other.no_decay`` at ``optim.lr``. A learned temperature (logit_scale) is alone in
+    its group, without decay and with ``trust_ratio`` = ``optim.temperature_trust_ratio`` (build_optimizer
+    turns that into LAMB's per-group trust-ratio bounds): the group ``temperature`` at the constant
+    ``temperature_lr`` when given (FastCLIP-v3 steps tau by its own group), else ``other.temperature`` at
+    ``optim.lr``. A tower whose layout cannot be read is an error when its layer decay is not 1; with decay
+    1 it gets one lr anyway, and its groups are ``visual.decay`` / ``visual.no_decay``.
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     tower_lr = {t: _or(getattr(optim, f"{t}_lr"), optim.lr) for t in TOWERS}
@@ -187,9 +189,15 @@ def parameter_groups(
         tower = tower_of(name)
         decay = decays(name, param)
         kind = "decay" if decay else "no_decay"
-        if tower is None and temperature_lr is not None and name == "logit_scale":
-            key: tuple = (2, 0, 0)
-            spec = {"name": TEMPERATURE_GROUP, "lr": temperature_lr, "weight_decay": 0.0}
+        if tower is None and name == "logit_scale":
+            own_lr = temperature_lr is not None
+            key: tuple = (2, 0, 0) if own_lr else (1, 2, 0)
+            spec = {
+                "name": TEMPERATURE_GROUP if own_lr else "other.temperature",
+                "lr": temperature_lr if own_lr else optim.lr,
+                "weight_decay": 0.0,
+                "trust_ratio": optim.temperature_trust_ratio,
+            }
         elif tower is None:
             key = (1, 0, int(not decay))
             spec = {
