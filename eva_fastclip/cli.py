@@ -40,7 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", default=None, help="'latest' (newest complete checkpoint) or a checkpoint folder"
     )
     p.add_argument(
-        "--dry-run", action="store_true", help="validate the configs and print the batch layout, then exit"
+        "--dry-run",
+        action="store_true",
+        help="run every check before step 1 (configs, paths, lengths), print the result and the batch "
+        "layout, then exit (2 if a check failed)",
     )
     p.add_argument(
         "--world-size",
@@ -119,6 +122,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args) -> int:
+    from eva_fastclip.engine import preflight
     from eva_fastclip.engine.precision import detect_hardware
     from eva_fastclip.engine.setup import load_deepspeed_config, resolve_deepspeed_config, resolve_precision
 
@@ -129,43 +133,32 @@ def cmd_train(args) -> int:
     # validated here, before any process group starts
     hardware = detect_hardware()
     resolved = resolve_deepspeed_config(ds, cfg, layout, source=cfg.train.deepspeed_config, hardware=hardware)
+    # every path the run reads or writes, and its lengths: checked before any process group starts
+    report = preflight.check_run(cfg, world_size, resume=args.resume)
     if args.dry_run:
         precision = resolve_precision(cfg, ds, source=cfg.train.deepspeed_config, hardware=hardware)
         summary = {
             "world_size": world_size,
             "global_batch": layout.global_batch,
-            "data": _data_sizes(cfg),
+            "data": preflight.sizes_dict(report),
+            "preflight": report.to_dict(),
             "precision": {"name": precision.name, "reason": precision.reason, "warning": precision.warning},
             "experiment": cfg.to_dict(),
             "deepspeed": resolved,
         }
         print(json.dumps(summary, indent=2))
+    preflight.raise_for_errors(report.problems, log_warnings=False)  # the Trainer logs the warnings
+    if args.dry_run:
         return 0
-    from eva_fastclip.engine.trainer import Trainer
-
-    Trainer(cfg, ds, resume=args.resume).train()
-    return 0
-
-
-def _data_sizes(cfg) -> dict:
-    """Samples per epoch and per-sample table rows, and where each comes from, when the shards are here."""
-    from dataclasses import asdict
-
-    from eva_fastclip.data import expand_urls, resolve_sizes
-    from eva_fastclip.losses import LOSSES, CompositionalLoss
+    from eva_fastclip.engine.trainer import NonFiniteSteps, Trainer
 
     try:
-        urls = expand_urls(cfg.data.train_shards)
-    except FileNotFoundError as err:
-        return {"not_checked": str(err)}
-    sizes = resolve_sizes(
-        urls,
-        num_samples=cfg.data.num_samples,
-        index_size=cfg.data.index_size,
-        needs_index=issubclass(LOSSES[cfg.loss.name], CompositionalLoss),
-        index_key=cfg.data.index_key,
-    )
-    return asdict(sizes)
+        Trainer(cfg, ds, resume=args.resume).train()
+    except NonFiniteSteps as err:  # the last complete checkpoint is intact: say which, exit non-zero
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"eva-fastclip train: stopped: {err}", file=sys.stderr)
+        return 3
+    return 0
 
 
 def cmd_eval(args) -> int:

@@ -333,7 +333,11 @@ class TrainConfig:
     keep_checkpoints: int = 2
     """Complete checkpoints kept; older ones are deleted only after a newer one is complete."""
     log_every_steps: int = 10
-    """TensorBoard / console logging period in optimizer steps."""
+    """TensorBoard logging period in optimizer steps (the console's progress bar shows every step's loss)."""
+    max_skipped_steps: int = 20
+    """Stop the run after this many optimizer steps in a row that were skipped (non-finite gradients) or
+    had a non-finite loss, without saving over the last complete checkpoint; 0: never stop. 20 lets fp16's
+    loss scaler come down from 2^16 to 1 (17 skipped steps) at the start of a run."""
 
     def __post_init__(self) -> None:
         _positive("train.batch_size", self.batch_size)
@@ -344,6 +348,7 @@ class TrainConfig:
         _positive("train.save_every_steps", self.save_every_steps, allow_zero=True)
         _positive("train.keep_checkpoints", self.keep_checkpoints)
         _positive("train.log_every_steps", self.log_every_steps)
+        _positive("train.max_skipped_steps", self.max_skipped_steps, allow_zero=True)
         if self.precision not in PRECISIONS:
             raise ConfigError(f"train.precision must be one of {PRECISIONS}, got {self.precision!r}")
 

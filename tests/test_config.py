@@ -88,10 +88,18 @@ def test_batch_layout():
     assert layout.samples_per_forward == 128
 
 
-def test_dry_run_validates_for_a_world_size(capsys):
+def test_dry_run_validates_for_a_world_size(capsys, tmp_path):
     from eva_fastclip.cli import main
+    from eva_fastclip.data import write_toy_dataset
 
-    assert main(["train", "--config", "configs/toy.json", "--dry-run", "--world-size", "4"]) == 0
+    # the dry-run checks the paths too: the toy config's data, here one epoch of 4 ranks x 64
+    write_toy_dataset(
+        tmp_path, num_train=256, num_val=8, num_zeroshot=20, image_size=16, samples_per_shard=64
+    )
+    paths = [f'data.train_shards=["{tmp_path / "train"}"]', f"eval.zeroshot_dir={tmp_path / 'zeroshot'}"]
+    paths += [f'eval.retrieval_shards=["{tmp_path / "val"}"]', f"train.output_dir={tmp_path / 'run'}"]
+    sets = [arg for path in paths for arg in ("--set", path)]
+    assert main(["train", "--config", "configs/toy.json", *sets, "--dry-run", "--world-size", "4"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["global_batch"] == 4 * 64 and printed["deepspeed"]["train_batch_size"] == 256
     assert main(["train", "--config", "configs/toy.json", "--set", "train.batch_sise=3", "--dry-run"]) == 2

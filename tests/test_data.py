@@ -597,6 +597,9 @@ def test_data_config_keys():
 
 def test_dry_run_says_where_the_sizes_come_from(toy_dir, capsys):
     argv = ["train", "--config", "configs/toy.json", "--set", f'data.train_shards=["{toy_dir / "train"}"]']
+    # the dry-run checks every path and that a batch fits an epoch: the toy config's eval data, batch 8
+    argv += ["--set", f"eval.zeroshot_dir={toy_dir / 'zeroshot'}", "--set", "train.batch_size=8"]
+    argv += ["--set", f'eval.retrieval_shards=["{toy_dir / "val"}"]']
     assert main(argv + ["--set", "loss.name=fastclip_v3", "--dry-run"]) == 0
     printed = json.loads(capsys.readouterr().out)["data"]
     assert printed == {
@@ -614,7 +617,7 @@ def test_dry_run_says_where_the_sizes_come_from(toy_dir, capsys):
         "index_size_from": None,
     }
     missing = ["--set", f'data.train_shards=["{toy_dir / "nowhere"}"]', "--dry-run"]
-    assert main(["train", "--config", "configs/toy.json", *missing]) == 0
+    assert main([*argv, *missing]) == 2  # printed, and an error
     assert "shards do not exist" in json.loads(capsys.readouterr().out)["data"]["not_checked"]
 
 

@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
 _IMAGE_FIELD = ";".join(IMAGE_KEYS)  # webdataset's "first of these keys" syntax
 _MAX_FAILURES_IN_A_ROW = 1000
+#: how a zero-shot prompt template marks the class name: clip_benchmark's "{c}", or "{}"
+TEMPLATE_PLACEHOLDERS = ("{c}", "{}")
 _WARNINGS_PER_PROCESS = 10
 
 Preprocess = Callable[[PIL.Image.Image], Tensor]
@@ -426,6 +428,36 @@ def _read_lines(path: Path) -> list[str]:
     return [line for line in lines if line]
 
 
+def read_classification_folder(dataset_dir: str | os.PathLike) -> tuple[list[str], list[str], list[str]]:
+    """The shards, class names and prompt templates of a clip_benchmark-layout classification folder.
+
+    Reads the names of ``dataset_dir/test/*.tar``, ``classnames.txt`` (one class per line) and
+    ``zeroshot_classification_templates.txt`` (one template per line). A template marks the class name
+    with "{c}", as clip_benchmark's files do, or "{}" (clip_benchmark's builder rewrites such prompts to
+    "{c}"; ``evaluation.fill_template`` fills either). FileNotFoundError or ValueError naming the file.
+    """
+    root = Path(dataset_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"{root}: no such folder (clip_benchmark layout expected: test/*.tar, classnames.txt, "
+            "zeroshot_classification_templates.txt)"
+        )
+    shards = sorted(glob.glob(os.path.join(glob.escape(str(root / "test")), "*.tar")))
+    if not shards:
+        raise FileNotFoundError(f"{root / 'test'}: no *.tar shards (clip_benchmark layout expected)")
+    classnames = _read_lines(root / "classnames.txt")
+    if not classnames:
+        raise ValueError(f"{root / 'classnames.txt'} names no class")
+    templates = _read_lines(root / "zeroshot_classification_templates.txt")
+    bad = [template for template in templates if not any(p in template for p in TEMPLATE_PLACEHOLDERS)]
+    if bad or not templates:
+        raise ValueError(
+            f"{root / 'zeroshot_classification_templates.txt'}: every line needs a {{c}} or {{}} placeholder "
+            "for the class name" + (f" ({bad[0]!r} has none)" if bad else " (the file has no line)")
+        )
+    return shards, classnames, templates
+
+
 def build_classification_loader(
     dataset_dir: str | os.PathLike,
     *,
@@ -436,19 +468,9 @@ def build_classification_loader(
     """A clip_benchmark-layout classification set: ``(loader of (images, labels), classnames, templates)``.
 
     Reads ``dataset_dir/test/*.tar`` ({key}.jpg/png/webp + {key}.cls), ``classnames.txt`` and
-    ``zeroshot_classification_templates.txt`` (one template per line, with a "{c}" placeholder).
+    ``zeroshot_classification_templates.txt`` (:func:`read_classification_folder`).
     """
-    root = Path(dataset_dir)
-    shards = sorted(glob.glob(os.path.join(glob.escape(str(root / "test")), "*.tar")))
-    if not shards:
-        raise FileNotFoundError(f"{root / 'test'}: no *.tar shards (clip_benchmark layout expected)")
-    classnames = _read_lines(root / "classnames.txt")
-    templates = _read_lines(root / "zeroshot_classification_templates.txt")
-    bad = [template for template in templates if "{c}" not in template]
-    if bad or not templates:
-        raise ValueError(
-            f"{root / 'zeroshot_classification_templates.txt'}: every line needs a {{c}} placeholder"
-        )
+    shards, classnames, templates = read_classification_folder(dataset_dir)
     pipeline = _ordered_pipeline(
         shards,
         wds.to_tuple(_IMAGE_FIELD, "cls"),

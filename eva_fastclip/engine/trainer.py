@@ -1,7 +1,12 @@
 """The training loop: set-up in a fixed order, then ``train()`` over ``train_step()``.
 
-Set-up order: seed → config (validated before we get here) → process group → model → loss → engine →
-data → resume. One "step" is one optimizer step (``train.grad_accum_steps`` micro-batches).
+Set-up order: config (validated before we get here) → seed → pre-flight checks of paths (rank 0,
+engine/preflight.py) → process group → model (temperature controller, kernels) → data → its schedule
+checks → loss → precision and DeepSpeed JSON → engine → resume → TensorBoard writer. One "step" is one
+optimizer step (``train.grad_accum_steps`` micro-batches).
+
+The loop stops after ``train.max_skipped_steps`` steps in a row that DeepSpeed skipped or whose loss was
+not finite, and never saves non-finite weights: the last complete checkpoint stays the one to resume.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch.distributed as dist
 
 from eva_fastclip.config import ExperimentConfig, batch_layout
 from eva_fastclip.data import TrainLoader
-from eva_fastclip.engine import checkpoint
+from eva_fastclip.engine import checkpoint, preflight
 from eva_fastclip.engine.evaluate import evaluate_model, format_results
 from eva_fastclip.engine.precision import detect_hardware
 from eva_fastclip.engine.setup import (
@@ -42,7 +47,15 @@ from eva_fastclip.temperature import TemperatureController
 log = logging.getLogger(__name__)
 
 
+class NonFiniteSteps(RuntimeError):
+    """Too many optimizer steps in a row were skipped or not finite, or the weights are no longer finite;
+    the message names the step and the last complete checkpoint. Every rank raises it at the same step."""
+
+
 class Trainer:
+    bad_steps = 0  # optimizer steps in a row, up to the current one, that were skipped or not finite
+    _finite_in_step: torch.Tensor | None = None  # whether every micro-batch of this step had a finite loss
+
     def __init__(
         self, cfg: ExperimentConfig, ds_config: dict[str, Any], resume: str | None = None, loader=None
     ) -> None:
@@ -50,6 +63,12 @@ class Trainer:
         indices) with ``num_batches`` and ``set_epoch``."""
         self.cfg = cfg
         seed_everything(cfg.train.seed)
+        if int(os.environ.get("RANK", "0")) == 0:  # before joining the group: a bad path stops the run now
+            world_size = int(os.environ.get("WORLD_SIZE", "1"))
+            report = preflight.check_run(
+                cfg, world_size, resume=resume, train_shards=loader is None, sizes=False
+            )
+            preflight.raise_for_errors(report.problems)
         self.rank, self.world_size, self.device = init_process_group()
         self.is_main = self.rank == 0
         self.output_dir = Path(cfg.train.output_dir)
@@ -82,12 +101,9 @@ class Trainer:
             workers=cfg.data.workers,
             index_key=cfg.data.index_key,
         )
+        schedule = preflight.check_schedule(cfg, self.loader.num_batches, world_size=self.world_size)
+        preflight.raise_for_errors(schedule, log_warnings=self.is_main)
         self.steps_per_epoch = self.loader.num_batches // layout.grad_accum_steps
-        if self.steps_per_epoch < 1:
-            raise ValueError(
-                f"one epoch has {self.loader.num_batches} micro-batches per rank, fewer than "
-                f"train.grad_accum_steps={layout.grad_accum_steps}: lower the batch size or accumulation"
-            )
         self.total_steps = cfg.train.steps or cfg.train.epochs * self.steps_per_epoch
         self.layout = layout
         self.loss = build_loss(
@@ -139,6 +155,7 @@ class Trainer:
                 if metrics is None:  # accumulating: no optimizer step yet
                     continue
                 self.step += 1
+                self._count_bad_steps(metrics)  # raises NonFiniteSteps after train.max_skipped_steps
                 window_steps += 1
                 progress.update(1)
                 progress.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
@@ -171,18 +188,26 @@ class Trainer:
             image_features.float(), text_features.float(), logit_scale.float(), indices.to(self.device)
         )
         engine.backward(out.loss)
+        finite = torch.isfinite(out.loss.detach())  # no sync here: read once per optimizer step
+        self._finite_in_step = finite if self._finite_in_step is None else self._finite_in_step & finite
         boundary = engine.is_gradient_accumulation_boundary()
         engine.step()
         self.micro_in_epoch += 1
         if not boundary:
             return None
+        loss_finite, self._finite_in_step = bool(self._finite_in_step), None
         # DeepSpeed's global_steps advances even on a skipped step: ask whether it was really applied
         if engine.was_step_applied():
             self.loss.on_step_applied()
             self._after_applied_step()
         else:
             self.loss.on_step_skipped()
-        return {**out.metrics, "loss": out.loss.item(), "step_applied": float(engine.was_step_applied())}
+        return {
+            **out.metrics,
+            "loss": out.loss.item(),
+            "step_applied": float(engine.was_step_applied()),
+            "loss_finite": float(loss_finite),
+        }
 
     # ---- pieces --------------------------------------------------------------------------------------
 
@@ -217,6 +242,58 @@ class Trainer:
             set_group_lr if groups else None,
         )
 
+    def _count_bad_steps(self, metrics: dict[str, float]) -> None:
+        """Count the optimizer steps in a row that DeepSpeed skipped (non-finite gradients: ZeRO, bf16's
+        check, fp16's scaler) or whose loss was not finite (applied anyway: fp32 without ZeRO), and stop
+        after ``train.max_skipped_steps`` of them. One rank's loss may be finite where another's is not, so
+        the verdict is reduced over ranks: every rank stops at the same step."""
+        bad = torch.tensor(
+            [float(not (metrics["step_applied"] and metrics["loss_finite"]))], device=self.device
+        )
+        if self.world_size > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        self.bad_steps = self.bad_steps + 1 if bad.item() else 0
+        metrics["skipped_in_a_row"] = float(self.bad_steps)
+        if not self.bad_steps:
+            return
+        limit = self.cfg.train.max_skipped_steps
+        if self.is_main:
+            why = "non-finite loss" if metrics["step_applied"] else "skipped (non-finite gradients)"
+            log.warning(
+                "step %d: %s; %d such step(s) in a row (train.max_skipped_steps=%d%s)",
+                self.step,
+                why,
+                self.bad_steps,
+                limit,
+                "" if limit else ": the run never stops for them",
+            )
+        if limit and self.bad_steps >= limit:
+            first = self.step - self.bad_steps + 1
+            self._stop(
+                f"{self.bad_steps} optimizer steps in a row (steps {first}-{self.step}) were skipped for "
+                f"non-finite gradients or had a non-finite loss (train.max_skipped_steps={limit})"
+            )
+
+    def _stop(self, what: str) -> None:
+        """Raise NonFiniteSteps naming the step and the checkpoint to resume from; nothing is saved."""
+        found = checkpoint.complete_checkpoints(self.checkpoint_root)
+        if found:
+            last = (
+                f"the last complete checkpoint, {found[-1]}, is intact: resume from it with --resume latest"
+            )
+        else:
+            last = f"there is no complete checkpoint under {self.checkpoint_root} yet: start again"
+        raise NonFiniteSteps(
+            f"step {self.step}: {what}. The run stops without saving; {last} once the cause is found (the "
+            "data of those steps, the lr, the precision). train.max_skipped_steps=0 never stops for "
+            "skipped steps."
+        )
+
+    def _weights_finite(self) -> bool:
+        """Whether every weight is finite. The same verdict on every rank: ZeRO 0-2 keeps whole weights."""
+        params = [p.detach() for p in self.engine.module.parameters()]
+        return bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
+
     def _epoch_batches(self):
         """This epoch's remaining micro-batches. A resumed epoch draws its remaining batches from a stream
         seeded by (epoch, batches done), so it does not repeat the start of the epoch."""
@@ -229,6 +306,10 @@ class Trainer:
             yield batch
 
     def save(self) -> Path:
+        # after non-finite steps that were applied (fp32 without ZeRO) the weights may be NaN: never save
+        # those, which would also delete an older good checkpoint (train.keep_checkpoints)
+        if self.bad_steps and not self._weights_finite():
+            self._stop(f"the weights are no longer finite after {self.bad_steps} non-finite step(s) in a row")
         state = {
             "step": self.step,
             "epoch": self.epoch,

@@ -1,7 +1,8 @@
 """Collectives used by the losses, behind one small object so tests can run without a process group.
 
-This and the engine are the only places that touch ``torch.distributed``. Every collective adds the bytes
-this rank contributes to ``traffic`` (by purpose), so the traffic formula in docs/losses.md is testable.
+Apart from the engine (and the tools on top of it, export and bench) this is the only place that touches
+``torch.distributed``. Every collective adds the bytes this rank contributes to ``traffic`` (by purpose), so
+the traffic formula in docs/losses.md is testable.
 """
 
 from __future__ import annotations
