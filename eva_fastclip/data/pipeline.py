@@ -13,14 +13,19 @@ The shuffle buffer restarts with every pass, so samples of the next pass never o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
+import io
 import itertools
+import json
 import logging
 import math
 import multiprocessing
 import os
 import random
+import re
+import tarfile
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -32,6 +37,7 @@ import torch
 import webdataset as wds
 from torch import Tensor
 from torch.utils.data import DataLoader
+from webdataset.tariterators import base_plus_ext
 
 from .shards import MANIFEST_NAME, read_manifest
 from .sizes import is_remote, resolve_sizes
@@ -44,6 +50,7 @@ _MAX_FAILURES_IN_A_ROW = 1000
 #: how a zero-shot prompt template marks the class name: clip_benchmark's "{c}", or "{}"
 TEMPLATE_PLACEHOLDERS = ("{c}", "{}")
 _WARNINGS_PER_PROCESS = 10
+_META_MEMBER = re.compile(r"__[^/]*__($|/)")  # webdataset's metadata files: not part of any sample
 
 Preprocess = Callable[[PIL.Image.Image], Tensor]
 Tokenize = Callable[[list[str]], Tensor]
@@ -123,50 +130,78 @@ def _parse_index(value: Any) -> int | None:
     return None
 
 
-class _UnusableIndex(ValueError):
-    """A sample's index is missing or outside the per-sample table: it is skipped like a corrupt one."""
+SKIP_REASONS = (
+    "undecodable_image",  # PIL cannot decode it (corrupt, truncated, an unknown format)
+    "empty_caption",  # no text on the caption's first line: nothing to contrast the image with
+    "non_utf8_caption",  # .txt bytes that are not UTF-8 (OpenCLIP skips these too)
+    "no_usable_index",  # only for a loss with per-sample state: .json or its index missing or out of range
+    "duplicate_key",  # a key seen before in the same shard: the first sample under it is kept
+    "incomplete",  # no image or no .txt member, e.g. the last sample of a shard cut short
+    "unreadable_shard",  # a shard that cannot be opened or read at all: counted once per attempt
+)
+"""Why the training loader skips a sample; the counts are logged per reason (``train/data/skipped/*``)."""
+
+
+class _BadSample(ValueError):
+    """A sample the training loader skips and counts under ``reason`` (one of SKIP_REASONS)."""
+
+    def __init__(self, reason: str, url: str, message: str) -> None:
+        super().__init__(message)
+        self.reason, self.url = reason, url
 
 
 class _FailureLog:
-    """Webdataset exception handler: skips unusable samples, counts them, stops a stream that only fails.
+    """Counts skipped samples by reason and stops a stream that only fails.
 
-    The count lives in shared memory created before the DataLoader starts its workers, so the skips of
+    The counts live in shared memory created before the DataLoader starts its workers, so the skips of
     every worker add up. A long run of failures with no good sample in between (e.g. every image in a
-    format PIL cannot decode) raises instead of skipping forever.
+    format PIL cannot decode) raises, naming the shards, instead of skipping forever.
     """
 
     def __init__(self, max_in_a_row: int) -> None:
-        self._total = multiprocessing.Value("q", 0)
+        self._counts = multiprocessing.Array("q", len(SKIP_REASONS))
         self._in_a_row = 0  # per process
+        self._shards_in_a_row: dict[str, None] = {}  # the shards of the current run of failures, in order
         self._warned = 0
         self.max_in_a_row = max_in_a_row
 
     @property
     def total(self) -> int:
-        return int(self._total.value)
+        return sum(self.by_reason().values())
 
-    def __call__(self, exn: Exception) -> bool:
-        with self._total.get_lock():
-            self._total.value += 1
+    def by_reason(self) -> dict[str, int]:
+        return dict(zip(SKIP_REASONS, self._counts[:]))  # one read under the array's lock
+
+    def skip(self, bad: _BadSample) -> None:
+        """Count one skipped sample (or unreadable shard) and log the first few of this process."""
+        with self._counts.get_lock():
+            self._counts[SKIP_REASONS.index(bad.reason)] += 1
+        self.warn(f"skipping a sample ({bad.reason}): {bad}")
+        self._count_failure(bad.url, str(bad))
+
+    def warn(self, message: str) -> None:
         if self._warned < _WARNINGS_PER_PROCESS:
             self._warned += 1
-            logger.warning("skipping sample: %s", repr(exn)[:500])
-        self._count_failure(repr(exn)[:500])
-        return True
+            logger.warning("%s", message[:500])
 
     def note_empty_shard(self, url: str) -> None:
-        self._count_failure(f"{url} holds no samples")
+        self._count_failure(url, f"{url} holds no samples")
 
     def note_success(self) -> None:
         self._in_a_row = 0
+        self._shards_in_a_row.clear()
 
-    def _count_failure(self, what: str) -> None:
+    def _count_failure(self, url: str, what: str) -> None:
         self._in_a_row += 1
+        self._shards_in_a_row[url] = None
         if self._in_a_row >= self.max_in_a_row:
+            shards = list(self._shards_in_a_row)
+            named = ", ".join(shards[:5]) + (f" and {len(shards) - 5} more" if len(shards) > 5 else "")
             raise RuntimeError(
-                f"{self._in_a_row} samples or shards in a row could not be read (last: {what}); "
-                "the data is missing or corrupt, in a format PIL cannot decode, or without usable "
-                "indices (data.index_key, data.index_size)"
+                f"{self._in_a_row} samples in a row could not be read or used, none good in between, "
+                f"from {len(shards)} shard(s): {named} (last: {what[:300]}). The data is missing or corrupt, "
+                "in a format PIL cannot decode, or without usable indices (data.index_key, "
+                "data.index_size)"
             )
 
 
@@ -181,6 +216,7 @@ class TrainLoader:
     given or read from the records beside the shards (see :mod:`.sizes`). With ``needs_index`` a sample
     whose index is missing or not below ``index_size`` is skipped and counted like a corrupt one; without
     it (a loss that keeps no per-sample state) indices are passed on unchecked, -1 where there is none.
+    Every skipped sample is counted under one of :data:`SKIP_REASONS` (:attr:`skipped_by_reason`).
     """
 
     def __init__(
@@ -287,6 +323,11 @@ class TrainLoader:
         """Samples skipped so far (unreadable, or without a usable index), summed over workers and epochs."""
         return self._failures.total
 
+    @property
+    def skipped_by_reason(self) -> dict[str, int]:
+        """:attr:`skipped` by reason: every one of :data:`SKIP_REASONS`, zero where none was skipped."""
+        return self._failures.by_reason()
+
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
@@ -297,8 +338,7 @@ class TrainLoader:
         batches_per_worker = math.ceil(self.num_batches / max(self.workers, 1))
         pipeline = wds.DataPipeline(
             functools.partial(self._raw_samples, self.epoch),
-            wds.decode("pil", handler=self._failures),
-            wds.map(self._to_example, handler=self._skip_unusable_index),
+            wds.map(self._to_example, handler=self._skip_bad_sample),
             wds.batched(self.batch_size, collation_fn=self._collate, partial=False),
         ).with_epoch(batches_per_worker)
         loader = DataLoader(pipeline, batch_size=None, num_workers=self.workers, persistent_workers=False)
@@ -325,12 +365,49 @@ class TrainLoader:
 
     def _read(self, shard_urls: Iterable[str]) -> Iterator[dict[str, Any]]:
         for url in shard_urls:
-            count = 0
-            for sample in wds.tarfile_samples([{"url": url}], handler=self._failures):
-                count += 1
-                yield sample
-            if count == 0:
-                self._failures.note_empty_shard(url)
+            yield from self._shard_samples(url)
+
+    def _shard_samples(self, url: str) -> Iterator[dict[str, Any]]:
+        """One shard's undecoded samples: its members grouped by key as webdataset groups them, except that
+        a key names one sample. A later group under a key seen before in the shard (right after it or
+        further on) is skipped and counted and the first kept, where webdataset drops the repeat member by
+        member, or merges the two. A read error ends the shard and every sample before it is kept: a
+        sample cut after some of its members is passed on and judged like any other; one cut at its first
+        member is counted as incomplete at once, before the sample ahead of it is passed on."""
+        seen: set[str] = set()
+        group: dict[str, Any] | None = None
+        failed = False
+        for key, extension, data in _tar_members(url):
+            new = key is not None and (group is None or group["__key__"] != key or extension in group)
+            if isinstance(data, Exception):
+                failed = True
+                self._failures.warn(f"{url}: unreadable from here on, the rest is lost: {data!r}")
+                if new:
+                    message = f"shard {url}, sample {key!r}: cut short at its first member ({data!r})"
+                    self._failures.skip(_BadSample("incomplete", url, message))
+                elif group is None:  # not one member could be read
+                    self._failures.skip(_BadSample("unreadable_shard", url, f"{url}: {data!r}"))
+                break  # the last item: the shard's stream is broken
+            if new:
+                if group is not None and self._first_of_key(group, seen):
+                    yield group
+                group = {"__key__": key, "__url__": url}
+            group[extension] = data
+        if group is not None:
+            if self._first_of_key(group, seen):
+                yield group
+        elif not failed:
+            self._failures.note_empty_shard(url)
+
+    def _first_of_key(self, group: dict[str, Any], seen: set[str]) -> bool:
+        """Whether ``group`` is the first under its key in its shard; a repeat is counted as a skip."""
+        key = group["__key__"]
+        if key in seen:
+            message = f"shard {group['__url__']}: key {key!r} again; the first sample under it is kept"
+            self._failures.skip(_BadSample("duplicate_key", group["__url__"], message))
+            return False
+        seen.add(key)
+        return True
 
     def _shuffled(self, samples: Iterator[dict[str, Any]], rng: random.Random) -> Iterator[dict[str, Any]]:
         if self.shuffle_buffer <= 1:
@@ -338,34 +415,94 @@ class TrainLoader:
         return wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer, rng=rng)(samples)
 
     def _to_example(self, sample: dict[str, Any]) -> tuple[Tensor, str, int]:
-        # A missing image or caption is a data-format problem, so it raises instead of being skipped.
-        where = f"shard {sample.get('__url__')}, sample {sample.get('__key__')!r}"
-        image = next((sample[key] for key in IMAGE_KEYS if key in sample), None)
-        if image is None:
-            raise ValueError(f"{where}: no image (.jpg/.jpeg/.png/.webp)")
-        if "txt" not in sample:
-            raise ValueError(f"{where}: no caption (.txt)")
-        meta = sample.get("json")
+        """(image, caption, index) of a sample, or _BadSample saying why it cannot train.
+
+        Only the members training uses are decoded, the image last: it costs the most."""
+        url = sample["__url__"]
+        where = f"shard {url}, sample {sample['__key__']!r}"
+        image_key = next((key for key in IMAGE_KEYS if key in sample), None)
+        if image_key is None or "txt" not in sample:
+            missing = "image (.jpg/.jpeg/.png/.webp)" if image_key is None else "caption (.txt)"
+            raise _BadSample("incomplete", url, f"{where}: no {missing}")
+        try:
+            caption = _first_line(sample["txt"].decode("utf-8"))
+        except UnicodeDecodeError as exn:
+            raise _BadSample("non_utf8_caption", url, f"{where}: its .txt is not UTF-8 ({exn})") from None
+        if not caption:
+            raise _BadSample("empty_caption", url, f"{where}: its caption is empty")
+        index = self._index(sample, url, where)
+        try:
+            image = _decode_image(sample[image_key])
+        except Exception as exn:  # PIL raises many kinds: OSError, SyntaxError, DecompressionBombError...
+            message = f"{where}: .{image_key} does not decode ({exn!r})"
+            raise _BadSample("undecodable_image", url, message) from None
+        self._failures.note_success()
+        return self.preprocess(image), caption, index
+
+    def _index(self, sample: dict[str, Any], url: str, where: str) -> int:
+        """The sample's index from ``.json[index_key]``; -1 where it has none and the loss needs none."""
+        meta = None
+        if "json" in sample:
+            with contextlib.suppress(ValueError):  # not JSON, or not UTF-8: as good as no .json
+                meta = json.loads(sample["json"])
         index = _parse_index(meta.get(self.index_key)) if isinstance(meta, dict) else None
-        if self.needs_index and (index is None or index >= self.dataset_size):
-            # a wrong index would silently corrupt another sample's per-sample state
-            if not isinstance(meta, dict) or self.index_key not in meta:
-                raise _UnusableIndex(f"{where}: its .json has no {self.index_key!r} (data.index_key)")
-            raise _UnusableIndex(
-                f"{where}: {self.index_key}={meta[self.index_key]!r} is not an index in "
+        if not self.needs_index:
+            return -1 if index is None else index
+        if index is not None and index < self.dataset_size:
+            return index
+        # a wrong index would silently corrupt another sample's per-sample state
+        if "json" not in sample:
+            problem = f"no .json, so no {self.index_key!r} (data.index_key)"
+        elif not isinstance(meta, dict):
+            problem = "its .json is not a JSON object"
+        elif self.index_key not in meta:
+            problem = f"its .json has no {self.index_key!r} (data.index_key)"
+        else:
+            problem = (
+                f"{self.index_key}={meta[self.index_key]!r} is not an index in "
                 f"[0, {self.dataset_size}) (data.index_size: {self.sizes.index_size_from})"
             )
-        self._failures.note_success()
-        return self.preprocess(image), _first_line(sample["txt"]), -1 if index is None else index
+        raise _BadSample("no_usable_index", url, f"{where}: {problem}")
 
-    def _skip_unusable_index(self, exn: Exception) -> bool:
-        if isinstance(exn, _UnusableIndex):
-            return self._failures(exn)
+    def _skip_bad_sample(self, exn: Exception) -> bool:
+        if isinstance(exn, _BadSample):
+            self._failures.skip(exn)
+            return True
         raise exn
 
     def _collate(self, examples: list[tuple[Tensor, str, int]]) -> tuple[Tensor, Tensor, Tensor]:
         images, captions, indices = zip(*examples)
         return torch.stack(images), self.tokenize(list(captions)), torch.tensor(indices, dtype=torch.int64)
+
+
+def _tar_members(url: str) -> Iterator[tuple[str | None, str, bytes | Exception]]:
+    """(key, extension, bytes) of every file in the tar shard at ``url``, named as webdataset names them
+    (the key is the path up to the file name's first dot; the extension is lower-cased). A read error ends
+    it with (key, extension, error) if a member's data failed, else (None, "", error)."""
+    key, extension = None, ""
+    try:
+        with contextlib.closing(wds.gopen(url)) as stream, tarfile.open(fileobj=stream, mode="r|*") as tar:
+            for member in tar:
+                tar.members = []  # a stream keeps every header it read: drop them, as webdataset does
+                if not member.isreg() or _META_MEMBER.match(member.name):
+                    continue
+                key, extension = base_plus_ext(member.name)
+                if key is None:
+                    continue
+                extension = extension.lower()
+                data = tar.extractfile(member).read()
+                yield key, extension, data
+                key, extension = None, ""
+    except Exception as exn:  # missing, not a tar, cut short, a failing pipe: command
+        yield key, extension, exn
+
+
+def _decode_image(data: bytes) -> PIL.Image.Image:
+    """The image fully decoded, as RGB (as webdataset's "pil" decoder gives it)."""
+    with io.BytesIO(data) as stream:
+        image = PIL.Image.open(stream)
+        image.load()
+        return image.convert("RGB")
 
 
 def _warn_and_skip(exn: Exception) -> bool:

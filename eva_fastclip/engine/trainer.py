@@ -53,6 +53,7 @@ class NonFiniteSteps(RuntimeError):
 
 
 class Trainer:
+    _skips_reported = 0  # skipped samples already reported on the console by this process
     bad_steps = 0  # optimizer steps in a row, up to the current one, that were skipped or not finite
     _finite_in_step: torch.Tensor | None = None  # whether every micro-batch of this step had a finite loss
 
@@ -162,6 +163,7 @@ class Trainer:
                 if self.step % cfg.log_every_steps == 0 or self.step == self.total_steps:
                     elapsed = time.perf_counter() - window_start
                     metrics["samples_per_second"] = window_steps * self.layout.global_batch / elapsed
+                    metrics.update(self._skipped_samples())  # a collective: every rank logs at this step
                     self._log(metrics)
                     window_start, window_steps = time.perf_counter(), 0
                 if self.cfg.eval.every_steps and self.step % self.cfg.eval.every_steps == 0:
@@ -353,6 +355,29 @@ class Trainer:
         if dist.is_initialized():
             dist.barrier()
         return results
+
+    def _skipped_samples(self) -> dict[str, float]:
+        """Samples the loaders skipped so far, summed over ranks, as metrics ``data/skipped`` (the total) and
+        ``data/skipped/<reason>``; rank 0 prints a line whenever the total has grown. Every rank calls it."""
+        by_reason = getattr(self.loader, "skipped_by_reason", None)
+        if by_reason is None:  # a stand-in loader (benchmarks, tests) skips nothing
+            return {}
+        counts = torch.tensor(list(by_reason.values()), dtype=torch.int64, device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(counts)
+        counts = dict(zip(by_reason, counts.tolist()))
+        total = sum(counts.values())
+        if self.is_main and total > self._skips_reported:
+            why = ", ".join(f"{reason} {count}" for reason, count in counts.items() if count)
+            log.warning(
+                "step %d: %d samples skipped so far on %d rank(s) (%s); the loader's warnings name the first",
+                self.step,
+                total,
+                self.world_size,
+                why,
+            )
+            self._skips_reported = total
+        return {"data/skipped": total, **{f"data/skipped/{reason}": n for reason, n in counts.items()}}
 
     def _log(self, metrics: dict[str, float], prefix: str = "train/") -> None:
         if not self.is_main:
