@@ -106,6 +106,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dim", type=int, default=512, help="embedding width")
     p.add_argument("--output", default="runs/bench/loss_memory.json", help="JSON file for all results")
     p.set_defaults(func=cmd_bench_loss)
+
+    p = sub.add_parser(
+        "bench-convergence",
+        help="every loss trains one small CLIP on real openclipart pairs: held-out R@1 and zero-shot curves",
+    )
+    p.add_argument("--output", default="runs/bench/convergence", help="results, runs, report.md, curves.png")
+    p.add_argument("--data", default="data/openclipart", help="converted drawings (made first if missing)")
+    p.add_argument("--openclipart-root", default="/usr/share/openclipart/png", help="openclipart-png's PNGs")
+    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--batches", type=int, nargs="+", default=[64, 256], help="global batch sizes")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        help="openclip fastclip_v1 fastclip_v3 fastclip_v3_code sogclr isogclr (default: all)",
+    )
+    p.add_argument("--jobs", type=int, default=2, help="runs at a time, each on cores/jobs torch threads")
+    p.add_argument("--model", default="bench-vit-xs", help="open_clip architecture of every run")
+    p.add_argument("--image-size", type=int, default=32, help="pixels of the converted drawings")
+    p.add_argument("--eval-every-epochs", type=int, default=2)
+    p.add_argument("--warmup-epochs", type=int, default=1)
+    p.set_defaults(func=cmd_bench_convergence)
+
+    p = sub.add_parser(
+        "openclipart-data", help="convert Debian's openclipart-png drawings into train/val/zero-shot shards"
+    )
+    p.add_argument("--output", default="data/openclipart")
+    p.add_argument("--root", default="/usr/share/openclipart/png", help="where openclipart-png put its PNGs")
+    p.add_argument("--image-size", type=int, default=32)
+    p.set_defaults(func=cmd_openclipart_data)
     return parser
 
 
@@ -234,6 +265,38 @@ def cmd_bench_loss(args) -> int:
 
     argv = ["--dim", str(args.dim), "--output", args.output] + (["--quick"] if args.quick else [])
     return loss_memory.main(argv)
+
+
+def cmd_bench_convergence(args) -> int:
+    import shlex
+
+    from eva_fastclip.bench.convergence import run_convergence_benchmark
+
+    result = run_convergence_benchmark(
+        output=Path(args.output),
+        data=Path(args.data),
+        openclipart_root=Path(args.openclipart_root),
+        variants=args.variants,
+        batches=tuple(args.batches),
+        seeds=tuple(args.seeds),
+        epochs=args.epochs,
+        model=args.model,
+        image_size=args.image_size,
+        eval_every_epochs=args.eval_every_epochs,
+        warmup_epochs=args.warmup_epochs,
+        jobs=args.jobs,
+        command=shlex.join(["eva-fastclip", *sys.argv[1:]]),
+    )
+    print(json.dumps(result, indent=2), flush=True)
+    return 0
+
+
+def cmd_openclipart_data(args) -> int:
+    from eva_fastclip.data.openclipart import write_openclipart_dataset
+
+    summary = write_openclipart_dataset(args.output, root=args.root, image_size=args.image_size)
+    print(json.dumps({"output": args.output, **summary}, indent=2))
+    return 0
 
 
 def _setup_logging() -> None:
