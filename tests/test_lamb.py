@@ -142,13 +142,38 @@ def test_bad_arguments_are_refused(kwargs, message):
         Lamb([nn.Parameter(torch.ones(2))], **kwargs)
 
 
-def test_state_from_another_optimizer_is_refused():
+def test_state_from_an_unknown_optimizer_is_refused():
     p = nn.Parameter(torch.ones(3))
     optimizer = Lamb([p])
-    optimizer.state[p].update(exp_avg=torch.zeros(3), exp_avg_sq=torch.zeros(3))  # timm's layout
+    optimizer.state[p].update(exp_avg=torch.zeros(3), exp_avg_sq=torch.zeros(3))  # no step anywhere
     p.grad = torch.ones(3)
     with pytest.raises(RuntimeError, match="no per-tensor 'step'"):
         optimizer.step()
+
+
+def test_a_checkpoint_of_timms_lamb_continues():
+    """Checkpoints from before this class hold timm's Lamb state (step per group, max_grad_norm None):
+    they continue with timm's moments and step count, and the next step is the kernel's."""
+    from timm.optim import Lamb as TimmLamb
+
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 3))
+    old = TimmLamb([{"params": [w], "weight_decay": 0.1}], lr=1e-3, betas=BETAS, eps=EPS, max_grad_norm=None)
+    for _ in range(3):
+        w.grad = torch.randn(4, 3)
+        old.step()
+    saved = old.state_dict()
+    m, v = (saved["state"][0][key].clone() for key in ("exp_avg", "exp_avg_sq"))
+
+    ours = Lamb([{"params": [w], "weight_decay": 0.1}], lr=1e-3, betas=BETAS, eps=EPS)
+    ours.load_state_dict(saved)
+    assert ours.param_groups[0]["max_grad_norm"] == 0.0 and "always_adapt" not in ours.param_groups[0]
+    grad = torch.randn(4, 3)
+    expected, *_ = kernel_step(w, grad, m, v, 4, lr=1e-3, weight_decay=0.1)
+    w.grad = grad
+    ours.step()
+    assert ours.state[w]["step"] == 4
+    assert_matches(w, expected)
 
 
 # ---- the temperature switch on both devices -------------------------------------------------------------

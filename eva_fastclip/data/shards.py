@@ -8,7 +8,7 @@ address per-sample state, so it must never change when shards are rewritten.
 Every shard folder carries a ``manifest.json``::
 
     {"format": "eva_fastclip-shards", "version": 1, "num_samples": N, "index_min": i0, "index_max": i1,
-     "index_key": "index", "shards": ["shard-000000.tar", ...], "samples_per_shard": [...], "skipped": K}
+     "index_key": "key", "shards": ["shard-000000.tar", ...], "samples_per_shard": [...], "skipped": K}
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def write_manifest(
     index_min: int | None,
     index_max: int | None,
     skipped: int = 0,
-    index_key: str = "index",
+    index_key: str = "key",
 ) -> dict[str, Any]:
     """Write ``out_dir/manifest.json`` atomically (temp file + rename) and return its content."""
     manifest = {

@@ -74,6 +74,7 @@ class Lamb(torch.optim.Optimizer):
             min_coeff=min_coeff,
         )
         super().__init__(params, defaults)
+        self.register_load_state_dict_pre_hook(_from_timm_lamb)
         self.eps_inside_sqrt = eps_inside_sqrt
         self.lamb_coeffs: list[float] = []
 
@@ -108,8 +109,8 @@ class Lamb(torch.optim.Optimizer):
             state.update(step=0, exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param))
         elif "step" not in state:
             raise RuntimeError(
-                f"Lamb state has keys {sorted(state)} but no per-tensor 'step': it was saved by another "
-                "optimizer (timm's Lamb keeps the step per group); start the optimizer state afresh"
+                f"Lamb state has keys {sorted(state)} but no per-tensor 'step': it was saved by an "
+                "optimizer other than FusedLamb, this Lamb or timm's Lamb, and cannot be continued"
             )
         state["step"] += 1
         beta1, beta2 = group["betas"]
@@ -141,3 +142,38 @@ class Lamb(torch.optim.Optimizer):
             step_size *= (1.0 - beta2**step) ** 0.5 / (1.0 - beta1**step)
         param.add_(update, alpha=-step_size * coeff)
         return coeff
+
+
+#: Group keys of timm's Lamb (what eva_fastclip used on CPU before this class) that FusedLamb has not.
+_TIMM_ONLY_GROUP_KEYS = (
+    "step",
+    "grad_averaging",
+    "trust_clip",
+    "always_adapt",
+    "caution",
+    "decoupled_decay",
+    "corrected_weight_decay",
+    "max_lr_snapshot",
+    "foreach",
+)
+
+
+def _from_timm_lamb(optimizer: Lamb, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Continue a checkpoint whose CPU optimizer was timm's Lamb: its moments are the same running averages,
+    but it keeps the step count per group, and ``max_grad_norm=None`` would stop the next step."""
+    groups = []
+    for group in state_dict["param_groups"]:
+        group = dict(group)
+        if "step" in group:  # timm's: carry its step count over to every tensor of the group
+            step = int(group["step"])
+            for param_id in group["params"]:
+                if param_id in state_dict["state"]:
+                    state_dict["state"][param_id] = {**state_dict["state"][param_id], "step": step}
+            for key in _TIMM_ONLY_GROUP_KEYS:
+                group.pop(key, None)
+            if group.get("max_grad_norm") is None:
+                group["max_grad_norm"] = 0.0
+            for key in ("max_coeff", "min_coeff"):
+                group.setdefault(key, optimizer.defaults[key])
+        groups.append(group)
+    return {**state_dict, "param_groups": groups}

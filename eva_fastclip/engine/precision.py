@@ -71,6 +71,23 @@ def detect_hardware() -> Hardware:
     return Hardware(cuda=False, native_bf16=native, description=description)
 
 
+def common_hardware(hardware: Hardware) -> Hardware:
+    """The hardware every rank of the process group shares: ranks on different devices (a mixed cluster)
+    must still train in one precision, so bf16 counts as native only where it is native on every rank."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return hardware
+    everyone: list[Hardware | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, hardware)
+    if all(other.native_bf16 for other in everyone) or not hardware.native_bf16:
+        return hardware
+    slower = next(other for other in everyone if not other.native_bf16)
+    return Hardware(
+        hardware.cuda, False, f"{hardware.description}, but another rank runs on {slower.description}"
+    )
+
+
 @functools.cache
 def cpu_bf16_support() -> tuple[bool, str]:
     """(native bf16, description) for this CPU, from /proc/cpuinfo's flags.
@@ -112,6 +129,8 @@ def precision_in_deepspeed_json(ds: dict[str, Any], source: str) -> str:
     A missing section or ``"enabled": "auto"`` leaves the choice open; ``"enabled": false`` in every
     section present fixes fp32.
     """
+    if "bfloat16" in ds:  # DeepSpeed's legacy name: it would lose to the "bf16" section we write
+        raise ConfigError(f'{source}: rename its "bfloat16" section to "bf16"')
     states = {}
     for name in ("bf16", "fp16"):
         section = ds.get(name)

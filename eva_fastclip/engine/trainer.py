@@ -31,7 +31,7 @@ from eva_fastclip.config import ExperimentConfig, batch_layout
 from eva_fastclip.data import TrainLoader
 from eva_fastclip.engine import checkpoint, preflight
 from eva_fastclip.engine.evaluate import evaluate_model, format_results
-from eva_fastclip.engine.precision import detect_hardware
+from eva_fastclip.engine.precision import common_hardware, detect_hardware
 from eva_fastclip.engine.setup import (
     autocast_dtype,
     initialize_engine,
@@ -114,7 +114,7 @@ class Trainer:
             temperature=self.temperature,
         )
 
-        hardware = detect_hardware()
+        hardware = common_hardware(detect_hardware())
         source = cfg.train.deepspeed_config
         precision = resolve_precision(cfg, ds_config, source=source, hardware=hardware)
         if self.is_main:
