@@ -85,10 +85,16 @@ hub.upload_folder = lambda folder_path, **kwargs: shutil.copytree(folder_path, p
 if not isinstance(tokenizer, hub.HFTokenizer):
     hub.HFTokenizer = OfflineTokenizer
 hub.push_pretrained_to_hf_hub(name, pretrained=None, repo_id="someone/model")  # its command line's call
-again = open_clip.create_model(f"local-dir:{pushed}").eval()
-with torch.no_grad():
-    result.update(pushed_image=again.encode_image(pixels), pushed_text=again.encode_text(tokens))
 result["pushed_files"] = sorted(p.name for p in pushed.iterdir())
+# the upload must stand alone: the exported folder is gone where someone downloads it
+shutil.move(folder, folder + ".elsewhere")
+try:
+    again = open_clip.create_model(f"local-dir:{pushed}").eval()
+    with torch.no_grad():
+        result.update(pushed_image=again.encode_image(pixels), pushed_text=again.encode_text(tokens))
+except Exception as err:
+    result["pushed_error"] = repr(err)
+shutil.move(folder + ".elsewhere", folder)
 
 try:
     importlib.util.find_spec("eva_fastclip")
@@ -195,7 +201,13 @@ def test_exported_folder_loads_without_eva_fastclip_and_gives_the_trained_embedd
     model = trained["model"]
     with torch.no_grad():
         image, text = model.encode_image(pixels), model.encode_text(tokens)
-    for key, ours in (("image", image), ("text", text), ("pushed_image", image), ("pushed_text", text)):
+    compared = [("image", image), ("text", text)]
+    if trained["case"] == "toy-vit":  # self-contained: the upload loads without the exported folder
+        assert "pushed_error" not in clean
+        compared += [("pushed_image", image), ("pushed_text", text)]
+    else:  # the documented limit (docs/checkpoints.md): its config names the exported folder's own path
+        assert str(folder) in clean["pushed_error"]
+    for key, ours in compared:
         # relative to the features' size: the tiny EVA's are ~1e-4 (its head init is scaled by 1e-3)
         torch.testing.assert_close(clean[key], ours, rtol=1e-5, atol=1e-6 * ours.abs().max().item())
     torch.testing.assert_close(clean["scale"], model.logit_scale.detach().reshape(()))
