@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="zero-shot evaluation of a checkpoint folder or an exported state dict")
     _add_config_args(p)
     p.add_argument(
-        "--checkpoint", required=True, help="checkpoint folder (step_XXXXXXXX) or exported .pt file"
+        "--checkpoint", required=True, help="checkpoint folder (step_XXXXXXXX), exported .pt file or folder"
     )
     p.set_defaults(func=cmd_eval)
 
@@ -194,6 +194,7 @@ def cmd_train(args) -> int:
 
 def cmd_eval(args) -> int:
     import torch
+    from open_clip.constants import HF_SAFE_WEIGHTS_NAME
 
     from eva_fastclip.engine.evaluate import evaluate_model, format_results
     from eva_fastclip.export import consolidated_state_dict
@@ -202,7 +203,14 @@ def cmd_eval(args) -> int:
     cfg = load_config(args.config, args.overrides)
     bundle = create_model(cfg.model)
     path = Path(args.checkpoint)
-    state_dict = consolidated_state_dict(path) if path.is_dir() else torch.load(path, map_location="cpu")
+    if (path / HF_SAFE_WEIGHTS_NAME).is_file():  # an exported open_clip folder
+        import safetensors.torch
+
+        state_dict = safetensors.torch.load_file(path / HF_SAFE_WEIGHTS_NAME)
+    elif path.is_dir():
+        state_dict = consolidated_state_dict(path)
+    else:
+        state_dict = torch.load(path, map_location="cpu")
     if "logit_scale" in state_dict:
         state_dict["logit_scale"] = state_dict["logit_scale"].reshape(bundle.model.logit_scale.shape)
     bundle.model.load_state_dict(state_dict, strict=True)

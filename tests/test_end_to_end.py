@@ -175,5 +175,9 @@ def test_eval_command_on_the_export_and_the_checkpoint(run, capsys):
     assert main(["eval", *args, "--checkpoint", str(run["tmp"] / "for_eval.pt")]) == 0
     from_export = capsys.readouterr().out
     assert "zero-shot top1 (160 images)" in from_export
+    export_open_clip(folder, run["tmp"] / "for_eval")  # open_clip's own folder
+    assert main(["eval", *args, "--checkpoint", str(run["tmp"] / "for_eval")]) == 0
+    from_folder = capsys.readouterr().out
     # the same weights give the same figures, whichever form they come in
     assert from_export.splitlines()[-6:] == from_checkpoint.splitlines()[-6:]
+    assert from_folder.splitlines()[-6:] == from_checkpoint.splitlines()[-6:]
