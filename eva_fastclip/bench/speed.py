@@ -23,6 +23,7 @@ import platform
 import statistics
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -249,6 +250,15 @@ def run_speed_benchmark(
         raise ValueError("bench-speed needs --steps >= 1, --warmup >= 0 and --batch-size >= 1")
     if model not in open_clip.list_models():
         raise ValueError(f"--model {model!r} is not an open_clip architecture")
+    from eva_fastclip.engine.precision import detect_hardware
+
+    hardware = detect_hardware()
+    if not hardware.native_bf16:  # both contestants run bf16: the ratio holds, the absolute times do not
+        warnings.warn(
+            f"{hardware.description} only emulates bf16, which both contestants use: their ratio is like "
+            "for like, but neither time says anything about training here (train.precision=auto picks fp32)",
+            stacklevel=2,
+        )
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
 
