@@ -1,10 +1,11 @@
-"""The convergence benchmark's parts that need no training: the openclipart converter (on a small fake
-package folder made here), the in-memory loader and its crop, resuming, and the aggregate tables."""
+"""The convergence benchmark on a small fake package folder made here: the openclipart converter, the
+in-memory loader and its crop, resuming, the aggregate tables, and one tiny run from end to end."""
 
 import dataclasses
 import hashlib
 import io
 import json
+import math
 import os
 from pathlib import Path
 
@@ -202,6 +203,19 @@ def test_memory_loader_gives_every_sample_once_per_epoch(fake):
     assert tokens[:, 0].tolist() == [len(captions[int(i)]) for i in indices]  # tokens travel with their index
 
 
+def test_memory_loader_reads_indices_as_training_does(fake):
+    train = fake["out"] / "train"
+    to_tensor = lambda image: torch.zeros(3, 8, 8)  # noqa: E731
+    tokenize = lambda texts: torch.zeros(len(texts), 1)  # noqa: E731
+    loader = MemoryLoader(train, preprocess=to_tensor, tokenize=tokenize, batch_size=2, seed=0)
+    # the converter writes the index twice: as "index" and as img2dataset's zero-padded "key", read here
+    metas = [json.loads(s["json"]) for s in shard_samples(train)]
+    assert loader.indices.tolist() == [int(m["key"]) for m in metas] == [m["index"] for m in metas]
+    assert loader.dataset_size == read_manifest(train)["index_max"] + 1
+    with pytest.raises(ValueError, match=r"id=None, not an index in \[0, 15\)"):
+        MemoryLoader(train, preprocess=to_tensor, tokenize=tokenize, batch_size=2, seed=0, index_key="id")
+
+
 def test_random_resized_crop_geometry():
     images = torch.randn(3, 3, 8, 8)
     generator = torch.Generator().manual_seed(0)
@@ -272,11 +286,23 @@ def test_paired_differences_and_verdicts():
     assert verdict([-0.1, -0.11, -0.09]) == "behind" and verdict([0.1]) == "one seed"
 
 
+def student_t_cdf(x: float, df: int) -> float:
+    """P(T <= x), x >= 0, by the trapezoid rule on Student's t density (error far below 1e-9 here)."""
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    t = np.linspace(0.0, x, 200_001)
+    density = np.exp(log_c - (df + 1) / 2 * np.log1p(t**2 / df))
+    return 0.5 + float((density[1:] + density[:-1]).sum()) * (t[1] - t[0]) / 2
+
+
 def test_t_quantiles():
-    # scipy.stats.t.ppf(0.975, df) for df = 2, 10, 30
-    assert t_quantile(2) == pytest.approx(4.3027, abs=1e-3)
-    assert t_quantile(10) == pytest.approx(2.2281, abs=5e-4)
-    assert t_quantile(30) == pytest.approx(2.0423, abs=5e-4)
+    # closed forms: Cauchy for 1 degree of freedom, (2p - 1) / sqrt(2p(1 - p)) for 2
+    assert t_quantile(1) == pytest.approx(math.tan(0.475 * math.pi), rel=1e-9)
+    assert t_quantile(2) == pytest.approx(0.95 / math.sqrt(2 * 0.975 * 0.025), rel=1e-9)
+    for df, table in ((4, 2.776), (10, 2.228), (30, 2.042)):  # the printed tables' values
+        assert t_quantile(df) == pytest.approx(table, abs=5e-4)
+        assert student_t_cdf(t_quantile(df), df) == pytest.approx(0.975, abs=1e-9)
+    # the verdict's interval: mean ± t * s / sqrt(n); 0.1 ± 4.303 * 0.02 / sqrt(3) excludes 0, ± 0.1 not
+    assert verdict([0.08, 0.1, 0.12]) == "ahead" and verdict([0.0, 0.1, 0.2]) == "level"
 
 
 def test_resume_skips_finished_runs_and_refuses_other_settings(tmp_path):
@@ -331,6 +357,27 @@ def test_plot_is_written(tmp_path):
     ]
     path = convergence.plot_curves(records, tmp_path / "curves.png", title="test")
     assert Image.open(path).format == "PNG"
+
+
+def test_one_tiny_run_end_to_end(fake, tmp_path):
+    """MemoryLoader -> Trainer -> TensorBoard read-back -> result JSON -> the resume check and the table."""
+    num_train = fake["summary"]["num_train"]
+    # fastclip_v3 keeps per-sample state: the loader's indices and table size reach the loss
+    spec = RunSpec("fastclip_v3", 4, 0, 1, convergence.DEFAULT_MODEL, 1, 0, num_train, 8)
+    record = convergence.run_one(spec, fake["out"], tmp_path, threads=torch.get_num_threads())
+    saved = json.loads((tmp_path / "results" / f"{spec.name}.json").read_text())
+    assert saved == record
+    assert record["steps_per_epoch"] == record["total_steps"] == num_train // 4
+    curves = record["curves"]
+    assert curves["epoch"] == [0.0, 1.0]  # the untrained model, then the end of the epoch
+    assert curves["temperature_epoch"] == [1.0] and curves["temperature"][0] > 0
+    for key in FINAL_KEYS:
+        assert len(curves[key]) == 2 and 0 <= record["final"][key] <= 1
+        assert curves[key][-1] == pytest.approx(record["final"][key])  # the last evaluation is the final one
+    assert not (tmp_path / "runs" / spec.name / "checkpoints").exists()
+    done, todo = load_results(tmp_path, [spec])  # a restarted benchmark skips it
+    assert done == [record] and todo == []
+    assert table_row(results_table(done), "4", "FastCLIP-v3 (exact τ-gradient)")[2] == "1"
 
 
 def test_cli_defaults_are_the_full_benchmark():

@@ -73,9 +73,6 @@ CHANCE_KEYS = {
     "retrieval_image_to_text_R@1": "retrieval_R@1_chance",
     "retrieval_text_to_image_R@1": "retrieval_R@1_chance",
 }
-#: two-sided 95% Student t quantiles for 1-9 degrees of freedom (above: a Cornish-Fisher expansion, within
-#: 1e-3 of the exact value)
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
 @dataclass(frozen=True)
@@ -137,29 +134,47 @@ class MemoryLoader:
     Decoding and tokenising in the loop (``TrainLoader``) took more CPU than the tiny model's step. Each
     epoch is a fresh permutation seeded by (seed, epoch), every sample once; each batch gets open_clip's
     training crop (``RandomResizedCrop``, area 0.9-1, aspect 3/4-4/3), done on tensors by one grid_sample.
+    Indices and the per-sample table's size are read as ``TrainLoader`` reads them (``.json[index_key]``,
+    the shards' size records).
     """
 
-    def __init__(self, source: Path, *, preprocess, tokenize, batch_size: int, seed: int) -> None:
+    def __init__(
+        self, source: Path, *, preprocess, tokenize, batch_size: int, seed: int, index_key: str = "key"
+    ) -> None:
         import torch
         import webdataset as wds
 
-        from eva_fastclip.data import expand_urls
+        from eva_fastclip.data import expand_urls, resolve_sizes
+        from eva_fastclip.data.pipeline import parse_index
 
+        urls = expand_urls(str(source))
+        sizes = resolve_sizes(urls, index_key=index_key)
         pipeline = wds.DataPipeline(
-            wds.SimpleShardList(expand_urls(str(source))),
+            wds.SimpleShardList(urls),
             wds.tarfile_to_samples(),
             wds.decode("pil"),
             wds.to_tuple("png;jpg;jpeg;webp", "txt", "json"),
         )
         images, captions, indices = [], [], []
         for image, caption, meta in pipeline:
+            index = parse_index(meta.get(index_key))
+            if index is None or index >= sizes.index_size:
+                raise ValueError(
+                    f"{source}: a sample has {index_key}={meta.get(index_key)!r}, not an index in "
+                    f"[0, {sizes.index_size}) ({sizes.index_size_from}); convert the data again"
+                )
             images.append(preprocess(image))
             captions.append(caption.splitlines()[0])
-            indices.append(int(meta["index"]))
+            indices.append(index)
+        if len(indices) != sizes.num_samples:
+            raise ValueError(
+                f"{source} holds {len(indices)} samples, its {sizes.num_samples_from} says "
+                f"{sizes.num_samples}: convert the data again"
+            )
         self.images = torch.stack(images)
         self.tokens = tokenize(captions)
         self.indices = torch.tensor(indices, dtype=torch.int64)
-        self.dataset_size = int(self.indices.max()) + 1
+        self.dataset_size = sizes.index_size
         self.num_samples = len(indices)
         self.num_batches = self.num_samples // batch_size
         self.batch_size = batch_size
@@ -199,16 +214,10 @@ def random_resized_crop(images, generator, scale=(0.9, 1.0), ratio=(3 / 4, 4 / 3
 
 
 def run_one(spec: RunSpec, data_dir: Path, out_dir: Path, threads: int) -> dict[str, Any]:
-    """Train and evaluate one run, write ``results/<name>.json``; returns the record."""
-    run_dir = out_dir / "runs" / spec.name
-    if run_dir.exists():  # a run cut short: start it again from scratch
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
-    stream = open(run_dir / "train.log", "w", buffering=1)  # noqa: SIM115 (lives as long as the process)
-    os.dup2(stream.fileno(), sys.stdout.fileno())
-    os.dup2(stream.fileno(), sys.stderr.fileno())
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """Train and evaluate one run in this process, write ``results/<name>.json``; returns the record.
 
+    The benchmark gives every run a process of its own (``_child``); the run's folder must hold no run yet.
+    """
     import torch
 
     from eva_fastclip.config import load_config
@@ -216,6 +225,7 @@ def run_one(spec: RunSpec, data_dir: Path, out_dir: Path, threads: int) -> dict[
     from eva_fastclip.engine.trainer import Trainer
     from eva_fastclip.models import create_model
 
+    run_dir = out_dir / "runs" / spec.name
     start = time.perf_counter()
     cfg = load_config(None, spec.overrides(data_dir, run_dir))
     bundle = create_model(cfg.model)
@@ -225,6 +235,7 @@ def run_one(spec: RunSpec, data_dir: Path, out_dir: Path, threads: int) -> dict[
         tokenize=bundle.tokenizer,
         batch_size=spec.batch,
         seed=spec.seed,
+        index_key=cfg.data.index_key,
     )
     trainer = Trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=loader)
     torch.set_num_threads(threads)  # the Trainer gives one rank all cores; parallel runs share them
@@ -250,7 +261,16 @@ def run_one(spec: RunSpec, data_dir: Path, out_dir: Path, threads: int) -> dict[
 
 
 def _child(spec: RunSpec, data_dir: Path, out_dir: Path, threads: int) -> dict[str, Any]:
+    """One run in the benchmark's worker process, in a fresh folder, everything it prints in its train.log."""
     try:
+        run_dir = out_dir / "runs" / spec.name
+        if run_dir.exists():  # a run cut short: start it again from scratch
+            shutil.rmtree(run_dir)
+        run_dir.mkdir(parents=True)
+        stream = open(run_dir / "train.log", "w", buffering=1)  # noqa: SIM115 (lives as long as the process)
+        os.dup2(stream.fileno(), sys.stdout.fileno())
+        os.dup2(stream.fileno(), sys.stderr.fileno())
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return run_one(spec, data_dir, out_dir, threads)
     except BaseException as err:  # the parent sees the message; the traceback is in the run's train.log
         import traceback
@@ -327,15 +347,9 @@ def mean_std(values: list[float]) -> tuple[float, float | None]:
 
 def t_quantile(df: int) -> float:
     """Two-sided 95% quantile of Student's t with ``df`` degrees of freedom."""
-    if df in _T975:
-        return _T975[df]
-    z = 1.959964
-    return (
-        z
-        + (z**3 + z) / (4 * df)
-        + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
-        + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3)
-    )
+    from scipy.stats import t
+
+    return float(t.ppf(0.975, df))
 
 
 def _fmt(mean: float, std: float | None) -> str:

@@ -120,7 +120,7 @@ def _first_line(text: str) -> str:
     return text.strip().split("\n", 1)[0].strip()
 
 
-def _parse_index(value: Any) -> int | None:
+def parse_index(value: Any) -> int | None:
     """A dataset index from a .json field: an integer or a string of digits (img2dataset's "000010005",
     read as FastCLIP reads it, ``int(key)``); None for anything else."""
     if isinstance(value, str) and value.isascii() and value.isdigit():
@@ -445,7 +445,7 @@ class TrainLoader:
         if "json" in sample:
             with contextlib.suppress(ValueError):  # not JSON, or not UTF-8: as good as no .json
                 meta = json.loads(sample["json"])
-        index = _parse_index(meta.get(self.index_key)) if isinstance(meta, dict) else None
+        index = parse_index(meta.get(self.index_key)) if isinstance(meta, dict) else None
         if not self.needs_index:
             return -1 if index is None else index
         if index is not None and index < self.dataset_size:
