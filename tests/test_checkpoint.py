@@ -1,7 +1,10 @@
-"""Checkpoint bookkeeping: only marked folders count; a save that dies mid-way never hides the last good
-one."""
+"""Checkpoint bookkeeping: only marked folders count; a save that dies at any point never leaves less than
+one complete checkpoint; every file is on disk before the marker; the save that completed last is the
+latest."""
 
 import json
+import os
+import shutil
 
 import pytest
 
@@ -11,17 +14,26 @@ from eva_fastclip.engine import checkpoint
 class FakeEngine:
     """Writes files the way DeepSpeed does; can die after the first one."""
 
-    def __init__(self, die=False):
-        self.die = die
+    def __init__(self, die=False, content=b"weights"):
+        self.die, self.content = die, content
 
     def save_checkpoint(self, save_dir, tag, client_state, save_latest):
         assert save_latest is False  # DeepSpeed's own 'latest' would point at unfinished saves
         folder = checkpoint.Path(save_dir) / tag
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "mp_rank_00_model_states.pt").write_bytes(b"weights")
+        (folder / "mp_rank_00_model_states.pt").write_bytes(self.content)
         if self.die:
             raise KeyboardInterrupt("killed while writing the optimizer shards")
         (folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"optimizer")
+
+
+def extra(folder):
+    (folder / "per_sample").mkdir()
+    (folder / "per_sample" / "per_sample_000000000000-000000000010.pt").write_bytes(b"u")
+
+
+def weights(folder):
+    return (folder / "mp_rank_00_model_states.pt").read_bytes()
 
 
 def test_only_complete_checkpoints_are_resumed(tmp_path):
@@ -35,32 +47,118 @@ def test_only_complete_checkpoints_are_resumed(tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save_checkpoint(FakeEngine(die=True), root, 200, {}, keep=2)
-    assert (root / "step_00000200").is_dir()  # the torn save is there ...
+    assert (root / "step_00000200.saving").is_dir()  # the torn save is there ...
     assert checkpoint.resolve_resume("latest", root) == first  # ... but resume ignores it
     with pytest.raises(ValueError, match="save never finished"):
-        checkpoint.resolve_resume(str(root / "step_00000200"), root)
+        checkpoint.resolve_resume(str(root / "step_00000200.saving"), root)
     with pytest.raises(FileNotFoundError):
         checkpoint.resolve_resume(str(root / "step_00000300"), root)
+    checkpoint.recover(root)  # what the next run's rank 0 does first
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000100"]
 
-    # saving the same step again replaces the torn folder
     again = checkpoint.save_checkpoint(FakeEngine(), root, 200, {}, keep=2)
     assert checkpoint.resolve_resume("latest", root) == again
     assert (again / "zero_pp_rank_0_mp_rank_00_optim_states.pt").exists()
+
+
+def test_every_file_and_folder_is_synced_before_the_marker(tmp_path, monkeypatch):
+    synced, marked = [], []
+    real_fsync, real_write = checkpoint._fsync, checkpoint.write_json_atomic
+    monkeypatch.setattr(checkpoint, "_fsync", lambda path: (synced.append(path), real_fsync(path)))
+    monkeypatch.setattr(
+        checkpoint,
+        "write_json_atomic",
+        lambda path, payload: (marked.append(len(synced)), real_write(path, payload)),
+    )
+    root = tmp_path / "checkpoints"
+    final = checkpoint.save_checkpoint(FakeEngine(), root, 5, {}, keep=2, write_extra=extra)
+    before_marker = {p.relative_to(root / "step_00000005.saving") for p in synced[: marked[0]]}
+    on_disk = {p.relative_to(final) for p in final.rglob("*") if p.name != checkpoint.MARKER}
+    assert on_disk and on_disk | {checkpoint.Path(".")} == before_marker  # every file, every folder
+    assert root in synced[marked[0] :]  # the rename into place is synced too
+
+
+def test_saving_a_step_again_never_leaves_it_without_a_complete_checkpoint(tmp_path, monkeypatch):
+    """A rerun saves a step that an earlier run saved too. A crash at any filesystem operation of that
+    save leaves a complete checkpoint of the step (the old one or the new one), and once rank 0 has
+    recovered, the new one if its marker was written."""
+    real = {"replace": os.replace, "rmtree": shutil.rmtree, "write": checkpoint.write_json_atomic}
+
+    def crashing(name, calls, crash_at):
+        def call(*args, **kwargs):
+            calls.append(name)
+            if len(calls) == crash_at:
+                raise KeyboardInterrupt(f"killed at {name}")
+            return real[name](*args, **kwargs)
+
+        return call
+
+    crash_at = 1
+    while True:
+        root = tmp_path / f"run{crash_at}" / "checkpoints"
+        checkpoint.save_checkpoint(FakeEngine(content=b"old"), root, 7, {}, keep=2)
+        (root / "step_00000007.saving").mkdir()  # a torn save of the step from a still earlier crash
+        calls = []
+        monkeypatch.setattr(checkpoint.os, "replace", crashing("replace", calls, crash_at))
+        monkeypatch.setattr(checkpoint.shutil, "rmtree", crashing("rmtree", calls, crash_at))
+        monkeypatch.setattr(checkpoint, "write_json_atomic", crashing("write", calls, crash_at))
+        try:
+            checkpoint.save_checkpoint(FakeEngine(content=b"new"), root, 7, {}, keep=2)
+            crashed = False
+        except KeyboardInterrupt:
+            crashed = True
+        monkeypatch.undo()
+        final, staged = root / "step_00000007", root / "step_00000007.saving"
+        new_is_complete = checkpoint.is_complete(staged) or (final.exists() and weights(final) == b"new")
+        if crashed:  # before recovery the old or the new one is in place, or the new one is still staged
+            assert checkpoint.is_complete(final) or checkpoint.is_complete(staged)
+        checkpoint.recover(root)
+        assert checkpoint.resolve_resume("latest", root) == final
+        assert weights(final) == (b"new" if new_is_complete else b"old"), calls
+        assert sorted(p.name for p in root.iterdir()) == ["step_00000007"]
+        if not crashed:
+            break
+        crash_at += 1
+    # the torn staging folder's removal, the marker (its rename), the two renames, the old folder's removal
+    assert calls == ["rmtree", "write", "replace", "replace", "replace", "rmtree"]
+
+
+def test_latest_is_the_save_that_completed_last(tmp_path):
+    """A rerun into the same output_dir: its checkpoints supersede the earlier run's, even at lower steps,
+    and retention removes the earlier run's first."""
+    root = tmp_path / "checkpoints"
+    for step in (10, 20, 30):  # the earlier run
+        checkpoint.save_checkpoint(FakeEngine(content=b"earlier"), root, step, {}, keep=3)
+    checkpoint.save_checkpoint(FakeEngine(content=b"rerun"), root, 10, {}, keep=3)
+    assert checkpoint.resolve_resume("latest", root) == root / "step_00000010"
+    assert weights(root / "step_00000010") == b"rerun"
+    checkpoint.save_checkpoint(FakeEngine(content=b"rerun"), root, 20, {}, keep=2)
+    assert [p.name for p in checkpoint.complete_checkpoints(root)] == ["step_00000010", "step_00000020"]
+    assert not (root / "step_00000030").exists()
 
 
 def test_retention_deletes_only_older_complete_checkpoints(tmp_path):
     root = tmp_path / "checkpoints"
     for step in (10, 20, 30, 40):
         checkpoint.save_checkpoint(FakeEngine(), root, step, {}, keep=2)
+        checkpoint.universal_folder(root / checkpoint.tag_for_step(step)).mkdir()  # a conversion of it
     assert [p.name for p in checkpoint.complete_checkpoints(root)] == ["step_00000030", "step_00000040"]
-    assert sorted(p.name for p in root.iterdir()) == ["step_00000030", "step_00000040"]
+    names = ["step_00000030", "step_00000030.universal", "step_00000040", "step_00000040.universal"]
+    assert sorted(p.name for p in root.iterdir()) == names
+    checkpoint.save_checkpoint(FakeEngine(), root, 40, {}, keep=2)  # replacing a step drops its conversion
+    assert not checkpoint.universal_folder(root / "step_00000040").exists()
 
 
-def test_checkpoints_sort_by_step_not_by_name(tmp_path):
+def test_markers_without_a_sequence_sort_by_step_not_by_name(tmp_path):
     root = tmp_path / "checkpoints"
     for step in (9, 100000000, 10):  # a 9-digit step sorts before 8-digit ones as text
-        checkpoint.save_checkpoint(FakeEngine(), root, step, {}, keep=5)
+        folder = checkpoint.save_checkpoint(FakeEngine(), root, step, {}, keep=5)
+        marker = json.loads((folder / checkpoint.MARKER).read_text())
+        del marker["sequence"]  # as checkpoints saved before the sequence existed
+        (folder / checkpoint.MARKER).write_text(json.dumps(marker))
     assert checkpoint.resolve_resume("latest", root).name == "step_100000000"
+    newer = checkpoint.save_checkpoint(FakeEngine(), root, 11, {}, keep=5)
+    assert checkpoint.resolve_resume("latest", root) == newer
 
 
 def test_atomic_json_leaves_no_temporary(tmp_path):

@@ -1,28 +1,44 @@
-"""Sharded checkpoints that a crash or a kill cannot corrupt.
+"""Sharded checkpoints that a crash or a kill cannot corrupt, and their conversion for another rank count.
 
 DeepSpeed's ``save_checkpoint`` writes each rank's shards non-atomically and its ``latest`` file before
-every rank is done. So every checkpoint goes into a fresh folder ``checkpoints/step_00000123`` and counts
-only once our marker ``COMPLETE.json`` is in it: written by rank 0 after a barrier that every rank reaches
-when its shards are on disk, through a temporary file and an atomic rename. Resume considers only marked
-folders; old checkpoints are deleted only after a newer one is marked.
+every rank is done. So every save goes into a staging folder ``checkpoints/step_00000123.saving``: every
+rank writes its files there and fsyncs them, then rank 0 writes our marker ``COMPLETE.json`` (temporary
+file, fsync, atomic rename) and renames the folder to ``step_00000123``. A folder counts only with its
+marker; a save of a step that already has a complete folder replaces it only once the new one is
+complete, and a crash in between leaves one of the two complete (``recover`` finishes the swap). Old
+checkpoints are deleted only after a newer one is complete. "Newer" is the order the saves completed in
+(the marker's ``sequence``), so a rerun's checkpoints supersede those an earlier run left behind.
+
+ZeRO checkpoints hold one partition of the optimizer per rank. Resuming on another number of ranks goes
+through DeepSpeed's universal checkpoint: ``convert_to_universal`` writes ``step_00000123.universal``
+beside the original (once; it is reused) and ``load_checkpoint`` loads it with ``load_universal``.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import errno
+import io
 import json
 import logging
 import os
 import re
 import shutil
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE.json"
+RANK_STATE = "rank_state"  # one file per rank: its RNG states and its data position
+UNIVERSAL = ".universal"
+_STAGING, _REPLACED, _DELETING = ".saving", ".replaced", ".deleting"
 _TAG = re.compile(r"^step_(\d{8,})$")
 
 
@@ -34,16 +50,21 @@ def is_complete(checkpoint: Path) -> bool:
     return (checkpoint / MARKER).is_file()
 
 
+def read_marker(checkpoint: Path) -> dict[str, Any]:
+    return json.loads((checkpoint / MARKER).read_text())
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
-    """Marked checkpoint folders under ``root``, oldest first."""
+    """Marked checkpoint folders under ``root``, oldest first: in the order their saves completed
+    (markers without a ``sequence``, written before it existed, come first, by step)."""
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and _TAG.match(p.name) and is_complete(p)]
-    return sorted(found, key=lambda p: int(_TAG.match(p.name).group(1)))
+    return sorted(found, key=lambda p: (read_marker(p).get("sequence", 0), int(_TAG.match(p.name).group(1))))
 
 
 def resolve_resume(resume: str | None, root: Path) -> Path | None:
-    """``latest`` → newest complete checkpoint under ``root`` (None if there is none yet); a path → itself.
+    """``latest`` → the checkpoint saved last under ``root`` (None if there is none yet); a path → itself.
 
     A path to a checkpoint without our marker is refused: it may be a partially written save.
     """
@@ -63,14 +84,51 @@ def resolve_resume(resume: str | None, root: Path) -> Path | None:
     return path
 
 
+def recover(root: Path) -> None:
+    """Finish what a crash interrupted under ``root``; rank 0 alone, before anyone reads the folder.
+
+    A complete staging folder is swapped into place (its save completed, the rename did not), an
+    incomplete one is deleted, and so are the remains of a replaced or deleted checkpoint.
+    """
+    if not root.is_dir():
+        return
+    for path in sorted(root.iterdir()):
+        if path.name.endswith(_DELETING):
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.name.endswith(_STAGING):
+            final = path.with_name(path.name[: -len(_STAGING)])
+            if is_complete(path):
+                log.info("completing the interrupted save of %s", final)
+                _swap_into_place(path, final)
+            else:
+                shutil.rmtree(path)
+    for path in sorted(root.iterdir()):
+        if path.name.endswith(_REPLACED):
+            final = path.with_name(path.name[: -len(_REPLACED)])
+            if not final.exists() and is_complete(path):  # cannot happen with _swap_into_place; be safe
+                os.replace(path, final)
+            else:
+                shutil.rmtree(path)
+
+
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    """Write JSON so that readers see either the old file or the whole new one, never a torn write."""
+    """Write JSON so that readers see either the old file or the whole new one, never a torn write; the
+    rename is on disk (the folder fsynced) when this returns."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         json.dump(payload, f, indent=2)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync(path.parent)
+
+
+def fsync_tree(folder: Path) -> None:
+    """fsync every file under ``folder``, then every folder bottom-up (their entries are data too)."""
+    for dirpath, _, filenames in os.walk(folder, topdown=False):
+        for name in filenames:
+            _fsync(Path(dirpath) / name)
+        _fsync(Path(dirpath))
 
 
 def save_checkpoint(
@@ -80,33 +138,209 @@ def save_checkpoint(
     client_state: dict[str, Any],
     keep: int,
     write_extra: Callable[[Path], None] | None = None,
+    marker: dict[str, Any] | None = None,
 ) -> Path:
-    """Every rank calls this. ``write_extra(folder)`` adds this rank's own files (per-sample state)
-    before the marker. Returns the checkpoint folder once it is complete on disk."""
+    """Every rank calls this. ``write_extra(folder)`` adds this rank's own files (per-sample state, RNG
+    and data position) before the marker; ``marker`` adds fields to it. Returns the checkpoint folder once
+    it is complete on disk."""
     tag = tag_for_step(step)
-    folder = root / tag
+    final, staging = root / tag, root / (tag + _STAGING)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0 and folder.exists():  # a half-written save of the same step from an earlier crash
-        shutil.rmtree(folder)
-    _barrier()
-    engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
-    if write_extra is not None:
-        write_extra(folder)
-    _barrier()  # every rank's shards are written
     if rank == 0:
-        write_json_atomic(folder / MARKER, {"step": step, "tag": tag, "world_size": _world_size()})
-        for old in complete_checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        root.mkdir(parents=True, exist_ok=True)
+        recover(root)  # also deletes a torn staging folder of this very step
     _barrier()
-    return folder
+    engine.save_checkpoint(str(root), tag=staging.name, client_state=client_state, save_latest=False)
+    if write_extra is not None:
+        write_extra(staging)
+    _barrier()  # every rank's files are written
+    # every rank flushes every file: on a filesystem that hosts share, only the host that wrote a file can
+    # flush it, and which files DeepSpeed writes on which rank depends on its configuration
+    fsync_tree(staging)
+    _barrier()
+    if rank == 0:
+        fields = {"step": step, "tag": tag, "world_size": _world_size(), "sequence": _next_sequence(root)}
+        write_json_atomic(staging / MARKER, {**fields, **(marker or {})})
+        replacing = final.exists()
+        _swap_into_place(staging, final)
+        if replacing:  # a conversion of the replaced checkpoint is stale
+            _remove(universal_folder(final))
+        for old in complete_checkpoints(root)[:-keep]:
+            _remove(old)
+            _remove(universal_folder(old))
+    _barrier()
+    return final
 
 
-def load_checkpoint(engine, folder: Path) -> dict[str, Any]:
-    """Load model, optimizer, scheduler and our client state from a complete checkpoint folder."""
-    load_path, client_state = engine.load_checkpoint(str(folder.parent), tag=folder.name)
+def load_checkpoint(engine, folder: Path, universal: Path | None = None) -> dict[str, Any]:
+    """Load model, optimizer, scheduler and our client state from a complete checkpoint folder, or from
+    its ``universal`` conversion (the engine was built with ``checkpoint.load_universal``)."""
+    source = folder if universal is None else universal
+    if universal is not None:
+        engine.optimizer.load_hp_checkpoint_state_from_checkpoint_dir = types.MethodType(
+            _load_universal_groups, engine.optimizer
+        )
+    load_path, client_state = engine.load_checkpoint(str(source.parent), tag=source.name)
     if load_path is None:
-        raise RuntimeError(f"DeepSpeed could not load the checkpoint in {folder}")
+        raise RuntimeError(f"DeepSpeed could not load the checkpoint in {source}")
+    if universal is not None:
+        _load_frozen_parameters(engine.module, universal)
     return client_state
+
+
+def save_rank_state(folder: Path, rank: int, state: dict[str, Any]) -> None:
+    (folder / RANK_STATE).mkdir(parents=True, exist_ok=True)
+    torch.save(state, folder / RANK_STATE / f"rank_{rank:05d}.pt")
+
+
+def load_rank_state(folder: Path, rank: int) -> dict[str, Any] | None:
+    """This rank's saved RNG states and data position; None for a checkpoint from before they were saved."""
+    path = folder / RANK_STATE / f"rank_{rank:05d}.pt"
+    # our own file (Python's and NumPy's RNG states are not tensors)
+    return torch.load(path, map_location="cpu", weights_only=False) if path.is_file() else None
+
+
+def needs_conversion(folder: Path, world_size: int) -> bool:
+    """Whether ``folder`` holds ZeRO partitions for another number of ranks than ``world_size`` (without
+    ZeRO the optimizer's state is whole in the model states file, for any number of ranks)."""
+    partitioned = any(folder.glob("*zero_pp_rank_*_optim_states.pt"))
+    return partitioned and read_marker(folder)["world_size"] != world_size
+
+
+def universal_folder(folder: Path) -> Path:
+    return folder.with_name(folder.name + UNIVERSAL)
+
+
+def convert_to_universal(folder: Path) -> Path:
+    """``folder``'s universal checkpoint beside it (rank 0 alone), converted once and then reused while
+    ``folder`` is the same save (its marker's step, sequence and world size)."""
+    target = universal_folder(folder)
+    saved = read_marker(folder)
+    source = {key: saved.get(key) for key in ("step", "sequence", "world_size")}
+    if is_complete(target) and read_marker(target).get("source") == source:
+        log.info("reusing the universal checkpoint %s", target)
+        return target
+    _remove(target)
+    staging = target.with_name(target.name + _STAGING)
+    if staging.exists():
+        shutil.rmtree(staging)
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    log.info("converting %s (%s ranks) to a universal checkpoint in %s", folder, saved["world_size"], target)
+    args = argparse.Namespace(
+        input_folder=str(folder),
+        output_folder=str(staging),
+        num_extract_workers=1,  # in this process: no process pool inside a rank
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        # DeepSpeed saves universal_checkpoint_info only for models that declare tensor parallelism
+        inject_missing_state=True,
+    )
+    with contextlib.redirect_stdout(io.StringIO()):
+        ds_to_universal(args)
+    (folder.parent / "latest_universal").unlink(missing_ok=True)  # DeepSpeed's pointer: we pick folders
+    fsync_tree(staging)
+    write_json_atomic(staging / MARKER, {"universal_of": folder.name, "source": source})
+    _swap_into_place(staging, target)
+    return target
+
+
+def _swap_into_place(staging: Path, final: Path) -> None:
+    """Rename the complete ``staging`` folder to ``final``, replacing a folder there. A folder cannot be
+    renamed over another, so the old one steps aside first: a crash leaves either the old folder or the new
+    one under its name, or the new one still staged, which ``recover`` swaps in."""
+    replaced = final.with_name(final.name + _REPLACED)
+    if replaced.exists():
+        shutil.rmtree(replaced)
+    if final.exists():
+        os.replace(final, replaced)
+    os.replace(staging, final)
+    _fsync(final.parent)
+    if replaced.exists():
+        shutil.rmtree(replaced)
+
+
+def _remove(folder: Path) -> None:
+    """Delete a folder so that no crash leaves it half deleted under its name (it could still look
+    complete: the marker may be among the last files removed)."""
+    if folder.exists():
+        doomed = folder.with_name(folder.name + _DELETING)
+        os.replace(folder, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _next_sequence(root: Path) -> int:
+    return 1 + max((read_marker(p).get("sequence", 0) for p in complete_checkpoints(root)), default=0)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        # some filesystems cannot fsync a folder: their renames are then as durable as they make them
+        if not (path.is_dir() and err.errno in (errno.EINVAL, errno.EBADF, errno.ENOTSUP)):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _load_universal_groups(self, lp_groups_name: str, checkpoint_dir: str) -> None:
+    """DeepSpeed's ``load_hp_checkpoint_state_from_checkpoint_dir`` (0.19.8) for data parallelism alone
+    (no tensor or expert parallelism), bound to a ZeRO-1/2 or bf16 optimizer in its place, with one fix.
+
+    A rank may hold no fragment of a parameter group: ZeRO splits every group into one partition per rank,
+    and the share of a group smaller than the ranks (the temperature's single value) is padding. DeepSpeed
+    then fails with ``IndexError`` on the group's empty list of steps; here such a partition gets zero
+    moments, which is what padding holds, and the group's step. The rest is DeepSpeed's: each parameter's
+    fragment of fp32 weights and moments from ``zero/<name>/``, the step, the group's saved settings.
+    """
+    from deepspeed.utils.tensor_fragment import map_to_flat_opt_states
+
+    folder = os.path.join(checkpoint_dir, "zero")
+    optim_sd = torch.load(os.path.join(folder, "optimizer_state.pt"), weights_only=False)
+    self._load_global_state(optim_sd)  # the loss scaler (fp16) and clipping
+    for group, saved, lps in zip(
+        self.optimizer.param_groups, optim_sd["param_groups"], getattr(self, lp_groups_name), strict=True
+    ):
+        keys, steps = set(), []
+        for lp in lps:
+            if lp._hp_mapping is not None:
+                steps.append(lp.load_hp_checkpoint_state(os.path.join(folder, self.param_names[lp]), 0, 1))
+                keys.update(lp._hp_mapping.get_optim_state_keys())
+        flat = group["params"][0]
+        if not steps:  # this rank's partition of the group is padding
+            param_dir = os.path.join(folder, self.param_names[lps[0]])
+            stored = [name[: -len(".pt")] for name in os.listdir(param_dir) if name.endswith(".pt")]
+            step_file = os.path.join(param_dir, "step.pt")
+            steps = [torch.load(step_file, weights_only=False) if "step" in stored else None]
+            for key in stored:
+                if key not in ("fp32", "step"):
+                    self.optimizer.state[flat][key] = torch.zeros_like(flat)
+        if any(bool(step != steps[0]) for step in steps):
+            raise RuntimeError(f"{checkpoint_dir}: the parameters of one group have different steps {steps}")
+        if steps[0] is not None:
+            self.optimizer.state[flat]["step"] = steps[0]
+        map_to_flat_opt_states(flat, lps, self.optimizer.state, keys)
+        group.update({key: value for key, value in saved.items() if key != "params"})
+    # what torch's Optimizer.load_state_dict runs last, as the native path does (our LAMB keeps the
+    # config's trust-ratio bounds that way)
+    for hook in getattr(self.optimizer, "_optimizer_load_state_dict_post_hooks", {}).values():
+        hook(self.optimizer)
+
+
+def _load_frozen_parameters(module: torch.nn.Module, universal: Path) -> None:
+    """A universal load restores the parameters ZeRO optimizes; frozen ones (a fixed temperature, a locked
+    tower) come from the saved module, as a native load takes them."""
+    frozen = {name: p for name, p in module.named_parameters() if not p.requires_grad}
+    if not frozen:
+        return
+    saved = torch.load(universal / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    with torch.no_grad():
+        for name, param in frozen.items():
+            if name in saved["module"]:
+                param.copy_(saved["module"][name].to(param.dtype))
 
 
 def _barrier() -> None:
