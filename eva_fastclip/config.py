@@ -185,7 +185,8 @@ class LossConfig:
     gamma_min: float | None = None
     """Final / constant gamma (FastCLIP 0.2, SogCLR 0.9)."""
     gamma_decay_epochs: int | None = None
-    """Epochs of the cosine decay of gamma; null: half of train.epochs."""
+    """Epochs of the cosine decay of gamma; null: half the run's epochs (train.epochs, or as many as
+    train.steps takes on the data and ranks of the run, which the trainer works out)."""
     rho: float | None = None
     """rho of the robust objectives RGCL (v2, iSogCLR) and RGCL-g (v3): 6.5 CC3M, 8.5 CC12M, 16 LAION."""
     eps: float | None = None
@@ -363,11 +364,18 @@ class ExperimentConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
-        if self.loss.name != "openclip" and self.loss.gamma_decay_epochs is None:
-            self.loss.gamma_decay_epochs = max(1, self.train.epochs // 2)  # FastCLIP: E ~ epochs / 2
+        # FastCLIP: E ~ epochs / 2. With train.steps the epochs depend on the data and the ranks: the
+        # trainer sets it (gamma_decay_epochs_for)
+        if self.loss.name != "openclip" and self.loss.gamma_decay_epochs is None and self.train.steps is None:
+            self.loss.gamma_decay_epochs = gamma_decay_epochs_for(self.train.epochs)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def gamma_decay_epochs_for(epochs: int) -> int:
+    """The default horizon of gamma's cosine decay for a run of ``epochs`` epochs: half of them."""
+    return max(1, epochs // 2)
 
 
 def _positive(key: str, value: float, allow_zero: bool = False) -> None:

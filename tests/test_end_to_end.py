@@ -17,7 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from eva_fastclip.cli import main
 from eva_fastclip.data import write_toy_dataset
 from eva_fastclip.engine import checkpoint
-from eva_fastclip.engine.setup import warmup_cosine
+from eva_fastclip.engine.setup import WarmupCosine
 from eva_fastclip.export import export_open_clip
 
 pytestmark = pytest.mark.launcher
@@ -136,13 +136,13 @@ def test_resume_continues_from_the_saved_step(run):
     assert steps == list(range(1, TOTAL_STEPS + 1))  # the second run logged 31..40, nothing twice
     kept = [p.name for p in checkpoint.complete_checkpoints(run["out"] / "checkpoints")]
     assert kept == ["step_00000030", "step_00000040"]  # keep_checkpoints=2
-    # logged after step s: the lr of the next step, schedule(s); the resumed run went on along the
-    # schedule of its own length instead of warming up again
+    # logged after step s: the lr of the next step, schedule(s). The first run's decay had ended at step 30;
+    # raised to 40 steps, the resumed run goes on from there (the rest of the decay stretched: none is left)
     lrs = scalars(run["out"], "train/lr/visual")
-    for step in (31, 35, 39):
-        assert lrs[step] == pytest.approx(
-            1e-3 * warmup_cosine(step, warmup=5, total=40, min_ratio=0.0), rel=1e-4
-        )
+    schedule = WarmupCosine(warmup=5, total=FIRST_STEPS, min_ratio=0.0)
+    schedule.retarget(FIRST_STEPS, TOTAL_STEPS)
+    for step in (30, 31, 35, 39):
+        assert lrs[step] == pytest.approx(1e-3 * schedule(step), rel=1e-4, abs=1e-12)
 
 
 def test_export_loads_into_open_clip_with_every_key(run):

@@ -9,6 +9,11 @@ epoch: a rank that stopped early would leave the others waiting in a collective 
 - Resampled: shards are drawn with replacement, weighted per source, seeded by (seed, epoch, rank, worker).
 
 The shuffle buffer restarts with every pass, so samples of the next pass never overtake this one's.
+
+A rank's batches come round-robin from its workers. Every batch carries where its worker's stream stands
+(``_Stream``), and ``TrainLoader.state_dict`` keeps the latest of each worker: a resumed run continues the
+epoch exactly where it stopped (``TrainLoader.resume``), reading again only the samples that were still
+in the shuffle buffers and the shards being read, never decoding what it skips.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import random
 import re
 import tarfile
 import warnings
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -262,7 +268,7 @@ class TrainLoader:
         self.workers = workers
         self.index_key = index_key
         self.needs_index = needs_index
-        self.epoch = 0
+        self.set_epoch(0)
 
         per_source = [expand_urls(source) for source in sources]
         self.urls = [url for urls in per_source for url in urls]
@@ -329,39 +335,199 @@ class TrainLoader:
         return self._failures.by_reason()
 
     def set_epoch(self, epoch: int) -> None:
+        """The next iteration yields ``epoch`` from its start."""
         self.epoch = epoch
+        self._start = 0  # micro-batches of the epoch yielded before this iteration (a resumed epoch)
+        self._offset = 0  # an approximately resumed epoch: shards skipped (epoch-wise) or the stream's salt
+        self._resume: dict[int, tuple] = {}  # worker -> the _Stream state to continue from
+        self._streams: dict[int, tuple] = {}  # worker -> its _Stream state after its latest batch yielded
+        self._batches = 0  # micro-batches of the epoch yielded so far
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's position in the epoch after the micro-batches yielded so far, for :meth:`resume`."""
+        return {
+            "epoch": self.epoch,
+            "batches": self._batches,
+            "offset": self._offset,
+            "streams": dict(self._streams),
+            "layout": self._layout(),
+        }
+
+    def resume(self, epoch: int, batches: int, state: dict[str, Any] | None = None) -> bool:
+        """The next iteration yields ``epoch`` after its first ``batches`` micro-batches; returns whether
+        exactly as an uninterrupted run goes on.
+
+        Exactly with ``state`` from :meth:`state_dict` of this rank's loader in the same layout (ranks,
+        workers, batch, seed, shards, shuffle buffer): each worker's stream is rebuilt where it stood. The
+        shuffle is replayed on sample numbers, which costs no reading (its draws depend on counts alone),
+        and only the samples still in the buffer and the shard being read are read again. Otherwise
+        approximately, at the granularity of shards: an epoch-wise epoch skips the share of its shard order
+        that ``batches`` stands for, a resampled one draws a stream of its own.
+        """
+        self.set_epoch(epoch)
+        self._start = self._batches = batches
+        if state is not None and (state["epoch"], state["batches"], state["layout"]) == (
+            epoch,
+            batches,
+            self._layout(),
+        ):
+            self._offset = state["offset"]
+            self._resume = {int(worker): tuple(stream) for worker, stream in state["streams"].items()}
+            self._streams = dict(self._resume)
+            return True
+        if self.resampled:
+            self._offset = batches
+        else:
+            self._offset = min(len(self.urls) - 1, batches * len(self.urls) // self.num_batches)
+        return False
+
+    def _layout(self) -> dict[str, Any]:
+        """What decides this rank's streams besides the epoch: an exact resume needs the same."""
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "workers": self.workers,
+            "batch_size": self.batch_size,
+            "num_batches": self.num_batches,
+            "seed": self.seed,
+            "resampled": self.resampled,
+            "shuffle_buffer": self.shuffle_buffer,
+            "shards": zlib.crc32("\n".join(os.path.basename(url) for url in self.urls).encode()),
+        }
 
     def __len__(self) -> int:
         return self.num_batches
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+        if self._start >= self.num_batches:  # resumed at the epoch's end: no worker to start
+            return
         batches_per_worker = math.ceil(self.num_batches / max(self.workers, 1))
         pipeline = wds.DataPipeline(
             functools.partial(self._raw_samples, self.epoch),
             wds.map(self._to_example, handler=self._skip_bad_sample),
             wds.batched(self.batch_size, collation_fn=self._collate, partial=False),
         ).with_epoch(batches_per_worker)
-        loader = DataLoader(pipeline, batch_size=None, num_workers=self.workers, persistent_workers=False)
+        loader = DataLoader(
+            pipeline,
+            batch_size=None,
+            num_workers=self.workers,
+            persistent_workers=False,
+            # a generator of its own for the workers' base seed (which nothing uses): starting a loader
+            # must not draw from the global one, which masks patches in the training step
+            generator=torch.Generator().manual_seed(self.seed),
+        )
         # The workers together make >= num_batches; the cut makes every rank yield exactly num_batches.
-        yield from itertools.islice(loader, self.num_batches)
+        self._batches, self._streams = self._start, dict(self._resume)
+        for images, tokens, indices, (worker, stream) in itertools.islice(
+            loader, self.num_batches - self._start
+        ):
+            self._streams[worker] = tuple(stream)
+            self._batches += 1
+            yield images, tokens, indices
 
     def _raw_samples(self, epoch: int) -> Iterator[dict[str, Any]]:
         """This rank's and worker's endless stream of undecoded samples for ``epoch``."""
         worker, num_workers = _worker_info()
+        # batches come round-robin from the workers: a resumed epoch's first batch is the next of the
+        # worker whose turn it was, so the workers are numbered on from there
+        worker = (worker + self._start) % num_workers
+        resume = self._resume.get(worker)
         if self.resampled:
-            rng = random.Random(f"resampled:{self.seed}:{epoch}:{self.rank}:{worker}")
+            salt = f":{self._offset}" if self._offset else ""
+            rng = random.Random(f"resampled:{self.seed}:{epoch}:{self.rank}:{worker}{salt}")
             shards = (rng.choices(self.urls, cum_weights=self._cum_weights)[0] for _ in itertools.count())
-            yield from self._shuffled(self._read(shards), rng)
+            yield from self._pass(worker, 0, shards, rng, resume)
             return
         consumer = self.rank * num_workers + worker
         consumers = self.world_size * num_workers
-        for pass_number in itertools.count():
+        for pass_number in itertools.count(resume[0] if resume else 0):
             order = list(self.urls)
             random.Random(f"shards:{self.seed}:{epoch}:{pass_number}").shuffle(order)  # same on every rank
+            if pass_number == 0:
+                order = order[self._offset :]  # an approximately resumed epoch: the shards read already
             # With too few shards, consumers share them rather than run dry.
             mine = order[consumer::consumers] if len(order) >= consumers else [order[consumer % len(order)]]
             rng = random.Random(f"samples:{self.seed}:{epoch}:{pass_number}:{self.rank}:{worker}")
-            yield from self._shuffled(self._read(mine), rng)
+            yield from self._pass(worker, pass_number, iter(mine), rng, resume)
+            resume = None
+
+    def _pass(
+        self, worker: int, pass_number: int, shard_urls: Iterator[str], rng: random.Random, resume
+    ) -> Iterator[dict[str, Any]]:
+        """One pass of a worker's stream through the shuffle buffer, from its start or from ``resume``
+        (a _Stream state of this pass). Each sample carries where the stream stood when it was handed out
+        (``__pos__``: the state's parts, the finished shards' counts as a prefix of the growing list)."""
+        stream = _Stream(pass_number) if resume is None else _Stream(*resume)
+        buffer: list[Any] = []
+        if resume is None:
+            reader = self._counted(shard_urls, stream)
+        else:
+            reader = self._fast_forward(shard_urls, rng, stream, buffer)
+        for sample in _shuffle(reader, rng, self.shuffle_buffer, buffer):
+            stream.taken += 1
+            sample["__pos__"] = (worker, stream, stream.taken, len(stream.counts), stream.read)
+            yield sample
+
+    def _counted(self, shard_urls: Iterator[str], stream: _Stream) -> Iterator[dict[str, Any]]:
+        """The shards' samples, counted per shard into ``stream``."""
+        for url in shard_urls:
+            for sample in self._read([url]):
+                stream.read += 1
+                yield sample
+            stream.counts.append(stream.read)
+            stream.read = 0
+
+    def _fast_forward(
+        self, shard_urls: Iterator[str], rng: random.Random, stream: _Stream, buffer: list[Any]
+    ) -> Iterator[dict[str, Any]]:
+        """Bring a pass to ``stream``'s state and return the reader that goes on from there.
+
+        The shuffle is replayed on (shard, sample) numbers, using the counts ``stream`` holds: the same
+        draws, with ``rng`` and the shard iterator (which draws from ``rng`` too when resampled), as the
+        samples had. ``buffer`` is left holding the numbers of the samples it held then; those are read
+        again (only they, and the current shard up to where it stood), and the reader goes on."""
+        urls: list[str] = []
+        current = len(stream.counts) if stream.read else None  # the shard being read, if one is
+
+        def numbers() -> Iterator[tuple[int, int]]:
+            for shard, count in enumerate(stream.counts + ([stream.read] if stream.read else [])):
+                url = next(shard_urls, None)
+                if url is None:
+                    raise ValueError(_position_mismatch(stream, "there are fewer shards"))
+                urls.append(url)
+                yield from ((shard, j) for j in range(count))
+
+        replay = _shuffle(numbers(), rng, self.shuffle_buffer, buffer)
+        if sum(1 for _ in itertools.islice(replay, stream.taken)) < stream.taken:
+            raise ValueError(_position_mismatch(stream, "its shards hold fewer samples"))
+        wanted: dict[int, dict[int, list[int]]] = {}  # shard -> sample -> places in the buffer
+        for place, (shard, j) in enumerate(buffer):
+            wanted.setdefault(shard, {}).setdefault(j, []).append(place)
+        for shard, samples in sorted(wanted.items()):
+            if shard != current:  # read up to the last sample wanted
+                last, j = max(samples), -1
+                for j, sample in enumerate(itertools.islice(self._read([urls[shard]]), last + 1)):
+                    for place in samples.get(j, ()):
+                        buffer[place] = sample
+                if j < last:
+                    raise ValueError(_position_mismatch(stream, f"shard {urls[shard]} holds fewer samples"))
+        if current is None:
+            return self._counted(shard_urls, stream)
+        reader = iter(self._read([urls[current]]))  # read to where it stood, and on from there
+        j = -1
+        for j, sample in enumerate(itertools.islice(reader, stream.read)):
+            for place in wanted.get(current, {}).get(j, ()):
+                buffer[place] = sample
+        if j + 1 < stream.read:
+            raise ValueError(_position_mismatch(stream, f"shard {urls[current]} holds fewer samples"))
+        return itertools.chain(self._rest_of_shard(reader, stream), self._counted(shard_urls, stream))
+
+    def _rest_of_shard(self, reader: Iterator[dict[str, Any]], stream: _Stream) -> Iterator[dict[str, Any]]:
+        for sample in reader:
+            stream.read += 1
+            yield sample
+        stream.counts.append(stream.read)
+        stream.read = 0
 
     def _read(self, shard_urls: Iterable[str]) -> Iterator[dict[str, Any]]:
         for url in shard_urls:
@@ -409,11 +575,6 @@ class TrainLoader:
         seen.add(key)
         return True
 
-    def _shuffled(self, samples: Iterator[dict[str, Any]], rng: random.Random) -> Iterator[dict[str, Any]]:
-        if self.shuffle_buffer <= 1:
-            return samples
-        return wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer, rng=rng)(samples)
-
     def _to_example(self, sample: dict[str, Any]) -> tuple[Tensor, str, int]:
         """(image, caption, index) of a sample, or _BadSample saying why it cannot train.
 
@@ -437,7 +598,7 @@ class TrainLoader:
             message = f"{where}: .{image_key} does not decode ({exn!r})"
             raise _BadSample("undecodable_image", url, message) from None
         self._failures.note_success()
-        return self.preprocess(image), caption, index
+        return self._preprocess(image, sample["__pos__"]), caption, index, sample["__pos__"]
 
     def _index(self, sample: dict[str, Any], url: str, where: str) -> int:
         """The sample's index from ``.json[index_key]``; -1 where it has none and the loss needs none."""
@@ -470,9 +631,68 @@ class TrainLoader:
             return True
         raise exn
 
-    def _collate(self, examples: list[tuple[Tensor, str, int]]) -> tuple[Tensor, Tensor, Tensor]:
-        images, captions, indices = zip(*examples)
-        return torch.stack(images), self.tokenize(list(captions)), torch.tensor(indices, dtype=torch.int64)
+    def _preprocess(self, image: PIL.Image.Image, position: tuple) -> Tensor:
+        """The training transform (a random crop) with torch's generator seeded by the sample's place in the
+        stream, so that a resumed epoch crops every sample as the uninterrupted one would have; the
+        process's own generator is left as it was (with no workers it is the training step's)."""
+        worker, stream, taken = position[:3]
+        place = f"{self.seed}:{self.epoch}:{self._offset}:{self.rank}:{worker}:{stream.pass_number}:{taken}"
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(zlib.crc32(place.encode()))
+            return self.preprocess(image)
+
+    def _collate(self, examples: list[tuple]) -> tuple[Tensor, Tensor, Tensor, tuple]:
+        """The batch, and its worker and that worker's _Stream state right after the batch's last sample
+        was handed out (webdataset batches a sample later: the stream may be further on by now)."""
+        images, captions, indices, positions = zip(*examples)
+        worker, stream, taken, finished, read = positions[-1]
+        state = (stream.pass_number, taken, tuple(stream.counts[:finished]), read)
+        return (
+            torch.stack(images),
+            self.tokenize(list(captions)),
+            torch.tensor(indices, dtype=torch.int64),
+            (worker, state),
+        )
+
+
+class _Stream:
+    """Where a worker's stream of an epoch stands: the pass, the samples the shuffle buffer has handed out
+    in it, the samples of each shard it finished reading in it (in reading order) and how many it has
+    read of the shard it is reading. With the seeds that is all it takes to rebuild the stream there."""
+
+    def __init__(self, pass_number: int, taken: int = 0, counts: Iterable[int] = (), read: int = 0) -> None:
+        self.pass_number, self.taken, self.counts, self.read = pass_number, taken, list(counts), read
+
+    def state(self) -> tuple[int, int, tuple[int, ...], int]:
+        return self.pass_number, self.taken, tuple(self.counts), self.read
+
+
+def _shuffle(samples: Iterable[Any], rng: random.Random, size: int, buffer: list[Any]) -> Iterator[Any]:
+    """A buffer shuffle: the first ``size`` samples fill ``buffer``, then each one read takes the place of
+    one handed out at random, and at the end of the input the rest leave in random order. Which place is
+    drawn depends only on how many samples there are, never on what they are; a ``buffer`` filled already
+    continues a shuffle."""
+    if size <= 1:
+        yield from samples
+        return
+    for sample in samples:
+        if len(buffer) < size:
+            buffer.append(sample)
+            continue
+        place = rng.randrange(size)
+        buffer[place], sample = sample, buffer[place]
+        yield sample
+    while buffer:
+        place = rng.randrange(len(buffer))
+        buffer[place], buffer[-1] = buffer[-1], buffer[place]
+        yield buffer.pop()
+
+
+def _position_mismatch(stream: _Stream, what: str) -> str:
+    return (
+        f"cannot continue the epoch where it stopped (pass {stream.pass_number}, {stream.taken} samples "
+        f"taken): {what} than when the checkpoint was saved. Resume with the shards the run was started on"
+    )
 
 
 def _tar_members(url: str) -> Iterator[tuple[str | None, str, bytes | Exception]]:

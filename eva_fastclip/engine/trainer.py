@@ -1,9 +1,11 @@
 """The training loop: set-up in a fixed order, then ``train()`` over ``train_step()``.
 
 Set-up order: config (validated before we get here) → seed → pre-flight checks of paths (rank 0,
-engine/preflight.py) → process group → model (temperature controller, kernels) → data → its schedule
-checks → loss → precision and DeepSpeed JSON → engine → resume → TensorBoard writer. One "step" is one
-optimizer step (``train.grad_accum_steps`` micro-batches).
+engine/preflight.py) → process group → the checkpoint to resume (its conversion for another number of
+ranks, the accumulation that keeps its global batch) → model (temperature controller, kernels) → data →
+its schedule checks → loss → precision and DeepSpeed JSON → engine → resume (the RNG states last) →
+TensorBoard writer and step log. One "step" is one optimizer step (``train.grad_accum_steps``
+micro-batches).
 
 The loop stops after ``train.max_skipped_steps`` steps in a row that DeepSpeed skipped or whose loss was
 not finite, and never saves non-finite weights: the last complete checkpoint stays the one to resume.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import itertools
 import json
 import logging
 import math
@@ -20,6 +23,7 @@ import os
 import random
 import socket
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from eva_fastclip.config import ExperimentConfig, batch_layout
+from eva_fastclip.config import ConfigError, ExperimentConfig, batch_layout, gamma_decay_epochs_for
 from eva_fastclip.data import TrainLoader
 from eva_fastclip.engine import checkpoint, preflight
 from eva_fastclip.engine.evaluate import evaluate_model, format_results
@@ -37,6 +41,7 @@ from eva_fastclip.engine.setup import (
     initialize_engine,
     resolve_deepspeed_config,
     resolve_precision,
+    retarget_schedule,
 )
 from eva_fastclip.losses import LOSSES, CompositionalLoss, Gatherer, build_loss
 from eva_fastclip.models import create_model
@@ -74,6 +79,7 @@ class Trainer:
         self.is_main = self.rank == 0
         self.output_dir = Path(cfg.train.output_dir)
         self.checkpoint_root = self.output_dir / "checkpoints"
+        self.resume_from = self._plan_resume(resume)  # may change train.grad_accum_steps: before the layout
 
         bundle = create_model(cfg.model, temperature_init=cfg.loss.temperature_init)
         self.temperature = TemperatureController.from_config(cfg.loss)
@@ -107,6 +113,12 @@ class Trainer:
         self.steps_per_epoch = self.loader.num_batches // layout.grad_accum_steps
         self.total_steps = cfg.train.steps or cfg.train.epochs * self.steps_per_epoch
         self.layout = layout
+        if cfg.loss.name != "openclip" and cfg.loss.gamma_decay_epochs is None:
+            # train.steps sets the run's length: as many epochs as its micro-batches take
+            epochs = math.ceil(self.total_steps * layout.grad_accum_steps / self.loader.num_batches)
+            cfg.loss.gamma_decay_epochs = horizon = gamma_decay_epochs_for(epochs)
+            if self.is_main:
+                log.info("gamma decays over %d epochs, half of the run's %d", horizon, epochs)
         self.loss = build_loss(
             cfg.loss,
             gatherer=Gatherer.from_process_group(),
@@ -123,17 +135,19 @@ class Trainer:
                 log.warning(precision.warning)
         ds = resolve_deepspeed_config(ds_config, cfg, layout, source=source, hardware=hardware)
         self.input_dtype = autocast_dtype(ds)
+        if self.resume_from is not None and self.resume_from[1] is not None:
+            ds["checkpoint"] = {**ds.get("checkpoint", {}), "load_universal": True}
         self.engine = initialize_engine(
             bundle.model, cfg, ds, self.total_steps, temperature_lr=self.temperature.own_group_lr
         )
 
         self.step, self.epoch, self.micro_in_epoch = 0, 0, 0
         self.unmasked = False
-        folder = checkpoint.resolve_resume(resume, self.checkpoint_root)
-        if folder is not None:
-            self._restore(checkpoint.load_checkpoint(self.engine, folder), folder)
-        elif resume is not None:
-            log.info("no complete checkpoint under %s yet: starting from scratch", self.checkpoint_root)
+        self._saved_step: int | None = None  # the step whose state this run saved (or resumed, unchanged)
+        self._loader_position: dict[str, Any] | None = None  # the resumed epoch's data position
+        if self.resume_from is not None:
+            folder, universal = self.resume_from
+            self._restore(checkpoint.load_checkpoint(self.engine, folder, universal), folder, universal)
 
         self.writer = None
         if self.is_main:
@@ -142,11 +156,14 @@ class Trainer:
             self.writer = SummaryWriter(str(self.output_dir / "tensorboard"))
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+            self._step_log = open_step_log(self.output_dir / STEP_LOG, self.step)
 
     # ---- the loop ------------------------------------------------------------------------------------
 
     def train(self) -> dict[str, float]:
         cfg = self.cfg.train
+        if self.resume_from is not None and self.resume_from[1] is not None and self._saved_step is None:
+            self.save()  # resumed from another number of ranks: its state in this layout, for the next resume
         progress = self._progress_bar()
         window_start, window_steps = time.perf_counter(), 0
         while self.step < self.total_steps:
@@ -160,6 +177,7 @@ class Trainer:
                 window_steps += 1
                 progress.update(1)
                 progress.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
+                self._log_step(metrics)
                 if self.step % cfg.log_every_steps == 0 or self.step == self.total_steps:
                     elapsed = time.perf_counter() - window_start
                     metrics["samples_per_second"] = window_steps * self.layout.global_batch / elapsed
@@ -175,7 +193,7 @@ class Trainer:
             else:  # the epoch ran to its end
                 self.epoch, self.micro_in_epoch = self.epoch + 1, 0
         progress.close()
-        if not checkpoint.is_complete(self.checkpoint_root / checkpoint.tag_for_step(self.step)):
+        if self._saved_step != self.step:  # even over a checkpoint of this step that an earlier run left
             self.save()
         return self.evaluate(final=True)
 
@@ -297,17 +315,31 @@ class Trainer:
         return bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
 
     def _epoch_batches(self):
-        """This epoch's remaining micro-batches. A resumed epoch draws its remaining batches from a stream
-        seeded by (epoch, batches done), so it does not repeat the start of the epoch."""
-        start = self.micro_in_epoch
-        self.loader.set_epoch(self.epoch if start == 0 else self.epoch * 1_000_003 + start)
+        """This epoch's remaining micro-batches. A resumed epoch goes on in the same order after the
+        micro-batches its checkpoint's run had taken: TrainLoader.resume rebuilds its streams there (exactly
+        with this rank's saved position, else at shard granularity); a stand-in loader is read from the
+        epoch's start and the taken batches dropped."""
+        start, position, self._loader_position = self.micro_in_epoch, self._loader_position, None
         self.loss.set_epoch(self.epoch)
-        for i, batch in enumerate(self.loader):
-            if i >= self.loader.num_batches - start:
-                break
-            yield batch
+        if start == 0:
+            self.loader.set_epoch(self.epoch)
+            return iter(self.loader)
+        if not hasattr(self.loader, "resume"):
+            self.loader.set_epoch(self.epoch)
+            return itertools.islice(self.loader, start, None)
+        if not self.loader.resume(self.epoch, start, position) and self.is_main:
+            log.warning(
+                "epoch %d goes on after micro-batch %d with the shards it has not read yet, not in the saved "
+                "order (there is none for this number of ranks, loader workers and batch): some samples of "
+                "the epoch are seen twice or not at all",
+                self.epoch,
+                start,
+            )
+        return iter(self.loader)
 
     def save(self) -> Path:
+        """A checkpoint of this step: DeepSpeed's files, our client state, and each rank's own files
+        (per-sample state; RNG states and data position)."""
         # after non-finite steps that were applied (fp32 without ZeRO) the weights may be NaN: never save
         # those, which would also delete an older good checkpoint (train.keep_checkpoints)
         if self.bad_steps and not self._weights_finite():
@@ -317,27 +349,174 @@ class Trainer:
             "epoch": self.epoch,
             "micro_in_epoch": self.micro_in_epoch,
             "world_size": self.world_size,
+            "layout": {
+                "micro_batch": self.layout.micro_batch,
+                "grad_accum_steps": self.layout.grad_accum_steps,
+            },
             "config": self.cfg.to_dict(),
             "temperature": self.temperature.state_dict(),
         }
+
+        def write_extra(folder: Path) -> None:
+            self.loss.save_state(folder / "per_sample")
+            position = self.loader.state_dict() if hasattr(self.loader, "state_dict") else None
+            checkpoint.save_rank_state(folder, self.rank, {"rng": rng_state(), "loader": position})
+
         folder = checkpoint.save_checkpoint(
             self.engine,
             self.checkpoint_root,
             self.step,
             state,
             keep=self.cfg.train.keep_checkpoints,
-            write_extra=lambda folder: self.loss.save_state(folder / "per_sample"),
+            write_extra=write_extra,
+            marker={
+                "global_batch": self.layout.global_batch,
+                "micro_batch": self.layout.micro_batch,
+                "grad_accum_steps": self.layout.grad_accum_steps,
+            },
         )
+        self._saved_step = self.step
         if self.is_main:
             log.info("saved checkpoint %s", folder)
         return folder
 
-    def _restore(self, state: dict[str, Any], folder: Path) -> None:
+    def _plan_resume(self, resume: str | None) -> tuple[Path, Path | None] | None:
+        """The checkpoint to resume from and, if it was saved by another number of ranks, its universal
+        conversion (made beside it once, by rank 0); then train.grad_accum_steps keeps its global batch.
+        Rank 0 decides, after finishing what a crash interrupted, and tells the others."""
+        if resume is None:
+            return None
+        root = self.checkpoint_root
+
+        def choose() -> Path | None:
+            checkpoint.recover(root)
+            return checkpoint.resolve_resume(resume, root)
+
+        folder = self._on_rank0(choose)
+        if folder is None:
+            if self.is_main:
+                log.info("no complete checkpoint under %s yet: starting from scratch", root)
+            return None
+        marker = checkpoint.read_marker(folder)
+        if marker["world_size"] != self.world_size:
+            self._keep_global_batch(folder, marker)
+        if not checkpoint.needs_conversion(folder, self.world_size):
+            return folder, None
+        return folder, self._on_rank0(lambda: checkpoint.convert_to_universal(folder))
+
+    def _keep_global_batch(self, folder: Path, marker: dict[str, Any]) -> None:
+        """On another number of ranks, keep the checkpoint's global batch by changing the accumulation."""
+        saved, ranks, micro = marker.get("global_batch"), self.world_size, self.cfg.train.batch_size
+        if saved is None or batch_layout(self.cfg, ranks).global_batch == saved:
+            return
+        if saved % (micro * ranks):
+            if saved % ranks:
+                fix = f"resume on a number of ranks that divides {saved}, e.g. {marker['world_size']}"
+            else:
+                fits = max(b for b in range(1, min(micro, saved // ranks) + 1) if (saved // ranks) % b == 0)
+                fix = (
+                    f"set train.batch_size={fits} and train.grad_accum_steps={saved // ranks // fits} (or "
+                    f"another batch size dividing {saved // ranks}), or resume on other number of ranks"
+                )
+            raise ConfigError(
+                f"{folder} was saved by {marker['world_size']} ranks with a global batch of {saved}; on "
+                f"{ranks} ranks train.batch_size={micro} x train.grad_accum_steps x {ranks} cannot make "
+                f"{saved} (it is no multiple of {micro * ranks}): {fix}"
+            )
+        accum = saved // (micro * ranks)
+        if self.is_main:
+            log.info(
+                "%s was saved by %d ranks: its global batch of %d is kept on %d ranks with "
+                "train.grad_accum_steps=%d (was %d)",
+                folder,
+                marker["world_size"],
+                saved,
+                ranks,
+                accum,
+                self.cfg.train.grad_accum_steps,
+            )
+        self.cfg.train.grad_accum_steps = accum
+
+    def _on_rank0(self, fn):
+        """``fn()`` run by rank 0, and its result (or its exception) on every rank."""
+        box: list[Any] = [None]
+        if self.is_main:
+            try:
+                box = [(True, fn())]
+            except Exception as err:  # every rank must hear of it, or they wait forever
+                box = [(False, err)]
+        if self.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def _restore(self, state: dict[str, Any], folder: Path, universal: Path | None) -> None:
+        """Everything of the checkpoint that DeepSpeed does not load: position, temperature controller,
+        per-sample state, the schedule's new length, and (saved by as many ranks) this rank's RNG states
+        and data position; the RNG states last, when nothing else draws before the first step."""
         self.step, self.epoch, self.micro_in_epoch = state["step"], state["epoch"], state["micro_in_epoch"]
         self.temperature.load_state_dict(state.get("temperature", {}))
         self.loss.load_state(folder / "per_sample")
+        self._retarget_schedule()
+        saved = state.get("layout", {}).get("micro_batch", self.layout.micro_batch) * state["world_size"]
+        if saved != self.layout.micro_batch * self.world_size:  # micro-batches of another size: same samples
+            samples = self.micro_in_epoch * saved
+            self.micro_in_epoch = min(samples // self.layout.samples_per_forward, self.loader.num_batches)
+        own = checkpoint.load_rank_state(folder, self.rank) if universal is None else None
+        self._saved_step = self.step if universal is None else None  # converted: train() saves it first
+        self._loader_position = own["loader"] if own else None
         if self.is_main:
             log.info("resumed from %s at step %d (epoch %d)", folder, self.step, self.epoch)
+        if own is not None:
+            set_rng_state(own["rng"])
+        else:  # no state of this rank: fresh draws, different from the run's start and on every rank
+            seed_everything(zlib.crc32(f"{self.cfg.train.seed}:{self.step}:{self.rank}".encode()))
+
+    def _retarget_schedule(self) -> None:
+        """Stretch the lr decay over a changed train.steps / train.epochs (setup.WarmupCosine)."""
+        saved = retarget_schedule(self.engine.lr_scheduler, self.step, self.total_steps)
+        if saved is None or not self.is_main:
+            return
+        optim = self.cfg.optim
+        if (saved.warmup, saved.min_ratio) != (optim.warmup_steps, optim.min_lr_ratio):
+            log.warning(
+                "the checkpoint's schedule goes on (warm-up %d steps, min_lr_ratio %s): "
+                "optim.warmup_steps=%d and optim.min_lr_ratio=%s apply to new runs only",
+                saved.warmup,
+                saved.min_ratio,
+                optim.warmup_steps,
+                optim.min_lr_ratio,
+            )
+        if saved.total == self.total_steps:
+            return
+        log.info(
+            "the run's length changed from %d to %d steps: the rest of the lr decay is stretched over it",
+            saved.total,
+            self.total_steps,
+        )
+        if self.step >= saved.warmup and saved.progress(self.step) >= 1.0 and self.total_steps > self.step:
+            log.warning(
+                "the lr had finished its decay at step %d: the %d steps added train at its final lr "
+                "(optim.min_lr_ratio). To decay over the longer run, resume from a checkpoint saved before "
+                "step %d",
+                self.step,
+                self.total_steps - self.step,
+                saved.total,
+            )
+
+    def _log_step(self, metrics: dict[str, float]) -> None:
+        """One line per optimizer step in output_dir/train_log.jsonl (rank 0): metrics and lr per tower."""
+        if not self.is_main:
+            return
+        record: dict[str, Any] = {"step": self.step, "epoch": self.epoch}
+        record.update((k, v) for k, v in metrics.items() if isinstance(v, (int, float)))
+        for group in self.engine.optimizer.param_groups:
+            key = f"lr/{group.get('name', 'group').split('.')[0]}"
+            record[key] = max(record.get(key, 0.0), group["lr"])
+        self._step_log.write(json.dumps(record) + "\n")
+        self._step_log.flush()
 
     def evaluate(self, final: bool = False) -> dict[str, float]:
         """Zero-shot classification and retrieval on rank 0 (the others wait); weights are whole on every
@@ -411,8 +590,45 @@ class Trainer:
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
-    np.random.seed(seed)
+    np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random generators: Python's, NumPy's, torch's (CPU; CUDA where there is one)."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+#: one line of metrics per optimizer step, in train.output_dir
+STEP_LOG = "train_log.jsonl"
+
+
+def open_step_log(path: Path, step: int):
+    """The step log for appending, without the lines of steps after ``step``: a resumed run trains those
+    again (they were its killed predecessor's) and a fresh run (step 0) starts an empty log."""
+    if path.exists():
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line + "\n")
+            except (ValueError, KeyError, TypeError):  # a line cut short by a kill
+                continue
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+    return open(path, "a")
 
 
 def init_process_group() -> tuple[int, int, torch.device]:

@@ -31,11 +31,13 @@ def build_loss(
     temperature=None,
     **overrides,
 ) -> ContrastiveLoss:
-    """The loss of ``cfg`` (a LossConfig, or a name plus LossConfig keys as keyword overrides)."""
+    """The loss of ``cfg`` (a LossConfig, or a name plus LossConfig keys as keyword overrides).
+
+    A cosine gamma schedule needs ``gamma_decay_epochs`` (FastCLIP: half the run's epochs; the trainer
+    derives it from the run's length): without it the loss trains its first epoch (gamma = 1) and stops
+    with a ValueError when the second begins."""
     if isinstance(cfg, str):
         cfg = LossConfig(name=cfg, **overrides)
-        if cfg.name != "openclip" and cfg.gamma_decay_epochs is None:
-            cfg.gamma_decay_epochs = 1
     if cfg.name == "openclip":
         return OpenClipLoss(gatherer)
     if dataset_size is None:

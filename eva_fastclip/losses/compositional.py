@@ -72,6 +72,11 @@ class CompositionalLoss(ContrastiveLoss):
         cfg = self.cfg
         if self.epoch == 0:
             return 1.0
+        if cfg.gamma_schedule == "cosine" and cfg.gamma_decay_epochs is None:
+            raise ValueError(
+                f"loss {cfg.name!r}: gamma decays over loss.gamma_decay_epochs, which is not set; set it "
+                "(FastCLIP: half the run's epochs), e.g. build_loss(..., gamma_decay_epochs=E)"
+            )
         if cfg.gamma_schedule == "constant" or self.epoch >= cfg.gamma_decay_epochs:
             return cfg.gamma_min
         return (

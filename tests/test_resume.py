@@ -1,0 +1,439 @@
+"""Resume anywhere: a run killed with SIGKILL and resumed reproduces the uninterrupted run; a checkpoint
+resumes on another number of ranks through DeepSpeed's universal checkpoint; the data stream, the lr
+schedule and gamma's horizon continue as the run would have.
+
+The launcher tests share eight launches (module fixtures), tiny model, fp32 on CPU, 2 loader workers per
+rank: per number of ranks an uninterrupted run, a run killed right after its step-3 checkpoint and its
+resume; and the step-3 checkpoints of those killed runs resumed on the other number of ranks.
+"""
+
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import open_clip
+import pytest
+import torch
+from torchvision import transforms
+
+from eva_fastclip.config import ConfigError, load_config
+from eva_fastclip.data import TrainLoader, write_shard, write_toy_dataset
+from eva_fastclip.engine import checkpoint
+from eva_fastclip.engine.setup import WarmupCosine, load_deepspeed_config, warmup_cosine
+from eva_fastclip.engine.trainer import Trainer
+from eva_fastclip.export import consolidated_state_dict
+from eva_fastclip.losses import build_loss
+
+REPO = Path(__file__).parents[1]
+STEPS, KILL_AFTER, MICRO, GLOBAL = 8, 3, 8, 16  # 5 steps an epoch: the resumed runs cross into epoch 1
+
+
+# ---- the data stream ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """40 samples in 8 shards; two of them hold an image that does not decode (index 7 and 23)."""
+    from io import BytesIO
+
+    from PIL import Image
+
+    out = tmp_path_factory.mktemp("stream")
+    for shard in range(8):
+        samples = []
+        for i in range(shard * 5, shard * 5 + 5):
+            buffer = BytesIO()
+            Image.new("RGB", (16, 16), (i * 6, 255 - i * 6, 100)).save(buffer, format="PNG")
+            png = b"\x89PNG\r\n\x1a\n garbage" if i in (7, 23) else buffer.getvalue()
+            samples.append({"__key__": f"s{i:03d}", "png": png, "txt": f"sample {i}", "json": {"key": i}})
+        write_shard(out / f"shard-{shard:06d}.tar", samples)
+    return out
+
+
+def stream_loader(shards, rank=0, world=1, workers=2, resampled=False, buffer=6):
+    crop = transforms.Compose([transforms.RandomResizedCrop(8, scale=(0.3, 1.0)), transforms.ToTensor()])
+    return TrainLoader(
+        [str(shards)],
+        preprocess=crop,  # random: a resumed stream must crop as the uninterrupted one did
+        tokenize=open_clip.get_tokenizer("ViT-B-32"),
+        batch_size=3,
+        rank=rank,
+        world_size=world,
+        seed=1,
+        num_samples=60,  # more than the 38 good samples: the workers' streams go into their next pass
+        index_size=40,
+        resampled=resampled,
+        shuffle_buffer=buffer,
+        workers=workers,
+    )
+
+
+def batches_after(loader, epoch, stop=None):
+    """Batches of ``epoch`` (from where the loader stands) as (images, indices); with ``stop``, stops after
+    that many and returns them and the loader's state then."""
+    out = []
+    for images, _, indices in loader:
+        out.append((images, indices))
+        if len(out) == stop:
+            return out, loader.state_dict()
+    return out
+
+
+@pytest.mark.parametrize(
+    "resampled, workers, world, buffer",
+    [(False, 2, 2, 6), (False, 0, 1, 6), (False, 2, 1, 0), (True, 2, 2, 6), (True, 0, 1, 0)],
+)
+def test_a_resumed_epoch_goes_on_exactly_where_it_stopped(shards, resampled, workers, world, buffer):
+    """Every rank's remaining batches (images with their random crops, and indices) are the uninterrupted
+    epoch's, whichever batch it stopped after, and again after a second resume."""
+    for rank in range(world):
+        loader = stream_loader(shards, rank, world, workers, resampled, buffer)
+        loader.set_epoch(1)
+        full = batches_after(loader, 1)
+        assert len(full) == loader.num_batches
+        for stop in (1, workers + 1, len(full) - 1):
+            first = stream_loader(shards, rank, world, workers, resampled, buffer)
+            first.set_epoch(1)
+            _, state = batches_after(first, 1, stop)
+            second = stream_loader(shards, rank, world, workers, resampled, buffer)
+            assert second.resume(1, stop, state)
+            if stop + 2 < len(full):  # and from a resumed loader's position
+                rest, state = batches_after(second, 1, 2)
+                third = stream_loader(shards, rank, world, workers, resampled, buffer)
+                assert third.resume(1, stop + 2, state)
+                rest += batches_after(third, 1)
+            else:
+                rest = batches_after(second, 1)
+            assert len(rest) == len(full) - stop
+            for (images, indices), (want_images, want_indices) in zip(rest, full[stop:]):
+                assert torch.equal(indices, want_indices) and torch.equal(images, want_images)
+
+
+def test_a_position_from_another_layout_resumes_at_shard_granularity(shards):
+    loader = stream_loader(shards, workers=2)
+    loader.set_epoch(0)
+    _, state = batches_after(loader, 0, 10)
+    other = stream_loader(shards, workers=1)
+    assert not other.resume(0, 10, state)  # another number of workers: approximately
+    rest = batches_after(other, 0)
+    assert len(rest) == other.num_batches - 10
+    assert not stream_loader(shards).resume(0, 10, None)
+
+
+# ---- schedule and gamma -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("resume_at, new_total", [(20, 60), (3, 60), (20, 25), (30, 40)])
+def test_a_changed_length_stretches_the_rest_of_the_decay(resume_at, new_total):
+    schedule = WarmupCosine(warmup=5, total=30, min_ratio=0.1)
+    for step in range(40):  # unchanged, it is warmup_cosine
+        want = warmup_cosine(step, warmup=5, total=30, min_ratio=0.1)
+        assert schedule(step) == pytest.approx(want, abs=1e-12)
+    before = schedule(resume_at)
+    schedule.retarget(resume_at, new_total)
+    assert schedule(resume_at) == pytest.approx(before, abs=1e-12)  # the lr goes on from where it stood
+    after = [schedule(step) for step in range(resume_at, new_total + 1)]
+    assert after[-1] == pytest.approx(0.1)  # ends where the schedule ends, at the new length
+    if resume_at >= 5:  # decaying, monotonically, by steps no larger than the original's steepest
+        steps = [a - b for a, b in zip(after, after[1:])]
+        assert all(-1e-12 <= d <= 0.9 * math.pi / 2 / min(25, new_total - resume_at) + 1e-12 for d in steps)
+    schedule.retarget(resume_at, new_total)  # idempotent
+    assert schedule(resume_at) == pytest.approx(before, abs=1e-12)
+
+
+def test_gamma_horizon_is_never_assumed():
+    loss = build_loss("fastclip_v3", dataset_size=8)
+    assert loss.gamma() == 1.0  # the first epoch needs no horizon
+    loss.set_epoch(1)
+    with pytest.raises(ValueError, match="gamma_decay_epochs"):
+        loss.gamma()
+    loss = build_loss("fastclip_v3", dataset_size=8, gamma_decay_epochs=4)
+    loss.set_epoch(2)
+    assert loss.gamma() == pytest.approx(0.5 * (1 + math.cos(math.pi * 2 / 4)) * 0.8 + 0.2)
+    by_epochs = load_config(None, ["loss.name=fastclip_v3", "train.epochs=30"])
+    by_steps = load_config(None, ["loss.name=fastclip_v3", "train.epochs=1", "train.steps=1000"])
+    assert (by_epochs.loss.gamma_decay_epochs, by_steps.loss.gamma_decay_epochs) == (15, None)
+
+
+def test_the_trainer_derives_gamma_horizon_from_steps(tmp_path):
+    """train.steps=50 at 6 steps an epoch is 9 epochs: gamma decays over 4, not train.epochs's."""
+    cfg = tiny_config(tmp_path, ["train.epochs=1", "train.steps=50"])
+    trainer = Trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=SixBatches())
+    assert trainer.loss.cfg.gamma_decay_epochs == 4
+
+
+class SixBatches:
+    num_batches, dataset_size, num_samples = 6, 64, 64
+
+    def set_epoch(self, epoch):
+        pass
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(0)
+        for _ in range(6):
+            tokens = torch.randint(1, 49000, (8, 16), generator=g)
+            yield torch.randn(8, 3, 32, 32, generator=g), tokens, torch.arange(8)
+
+
+def tiny_config(tmp_path, overrides):
+    return load_config(
+        "configs/toy.json",
+        [
+            "model.name=test-vit-xs",
+            "loss.name=fastclip_v3",
+            f"train.batch_size={MICRO}",
+            f"train.output_dir={tmp_path}",
+            "train.precision=fp32",
+            "optim.warmup_steps=1",
+            "eval.zeroshot_dir=null",
+            "eval.retrieval_shards=null",
+            *overrides,
+        ],
+    )
+
+
+def test_another_rank_count_that_cannot_keep_the_global_batch_stops_before_step_1(tmp_path):
+    folder = tmp_path / "checkpoints" / "step_00000003"
+    folder.mkdir(parents=True)
+    checkpoint.write_json_atomic(folder / checkpoint.MARKER, {"step": 3, "world_size": 2, "global_batch": 16})
+    cfg = tiny_config(tmp_path, ["train.batch_size=5"])
+    with pytest.raises(ConfigError, match="train.batch_size=4 and train.grad_accum_steps=4"):
+        Trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), resume="latest", loader=SixBatches())
+
+
+def test_a_rerun_saves_its_own_final_checkpoint_over_an_earlier_runs(tmp_path):
+    """The same output_dir, a second fresh run (another seed) of the same length: its final checkpoint and
+    step log are its own, not the first run's."""
+    weights, logs = [], []
+    for seed in (0, 1):
+        cfg = tiny_config(tmp_path, ["train.steps=2", f"train.seed={seed}"])
+        trainer = Trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=SixBatches())
+        trainer.train()
+        weights.append(
+            consolidated_state_dict(tmp_path / "checkpoints" / "step_00000002")["visual.conv1.weight"]
+        )
+        assert torch.equal(weights[-1], trainer.engine.module.visual.conv1.weight)
+        logs.append(step_log(tmp_path))
+    assert not torch.equal(weights[0], weights[1])
+    assert [r["step"] for r in logs[1]] == [1, 2] and logs[1] != logs[0]
+    assert checkpoint.resolve_resume("latest", tmp_path / "checkpoints").name == "step_00000002"
+
+
+def test_a_conversion_is_made_once_per_save(tmp_path, monkeypatch):
+    import deepspeed.checkpoint.ds_to_universal as converter
+
+    cfg = tiny_config(tmp_path, ["train.steps=1"])
+    trainer = Trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=SixBatches())
+    trainer.train()  # one step: the optimizer has moments to convert
+    folder = tmp_path / "checkpoints" / "step_00000001"
+    assert not checkpoint.needs_conversion(folder, 1) and checkpoint.needs_conversion(folder, 2)
+    universal = checkpoint.convert_to_universal(folder)
+    assert universal == checkpoint.universal_folder(folder) and checkpoint.is_complete(universal)
+    assert (universal / "zero" / "visual.conv1.weight" / "exp_avg.pt").is_file()
+    assert not (folder.parent / "latest_universal").exists()
+    calls = []
+    real = converter.main
+    monkeypatch.setattr(converter, "main", lambda args: (calls.append(args), real(args)))
+    assert checkpoint.convert_to_universal(folder) == universal and not calls  # reused
+    trainer.save()  # the same step saved again: the conversion is stale and goes
+    assert not universal.exists()
+    checkpoint.convert_to_universal(folder)
+    assert len(calls) == 1 and checkpoint.is_complete(universal)
+
+
+# ---- real launches ----------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(ranks: int, args: list[str], log: Path, kill_once: Path | None = None) -> str:
+    """``deepspeed --num_gpus RANKS --module eva_fastclip ARGS``; with ``kill_once``, SIGKILL to the whole
+    launch (launcher, ranks, loader workers) as soon as that file appears."""
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONUNBUFFERED": "1"}
+    cmd = [str(bin_dir / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port())]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [*cmd, "--module", "eva_fastclip", *args],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: the kill reaches every process of the launch
+        )
+        try:
+            deadline = time.monotonic() + 600
+            while kill_once is not None and not kill_once.exists() and proc.poll() is None:
+                assert time.monotonic() < deadline, "no checkpoint to kill after"
+                time.sleep(0.02)
+            if kill_once is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=600)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    if kill_once is None:
+        assert proc.returncode == 0, f"launch failed ({log.name}):\n{text[-6000:]}"
+    else:
+        assert proc.returncode == -signal.SIGKILL, f"the launch ended before its kill:\n{text[-6000:]}"
+    return text
+
+
+def run_args(data: Path, out: Path, ranks: int, steps: int = STEPS, extra=()) -> list[str]:
+    sets = [
+        "model.name=test-vit-xs",
+        "model.patch_dropout=0.5",  # the masks draw from torch's generator: restored per rank
+        "loss.name=fastclip_v3",  # per-sample state, the temperature controller, gamma's schedule
+        f'data.train_shards=["{data / "train"}"]',
+        "data.workers=2",
+        "data.shuffle_buffer=10",
+        f"data.num_samples={5 * GLOBAL}",  # 5 steps an epoch; the 64 samples run out: a second pass
+        "eval.zeroshot_dir=null",
+        "eval.retrieval_shards=null",
+        "train.precision=fp32",
+        f"train.batch_size={MICRO}",
+        f"train.grad_accum_steps={GLOBAL // MICRO // ranks}",
+        f"train.steps={steps}",
+        f"train.save_every_steps={KILL_AFTER}",
+        "train.keep_checkpoints=3",
+        f"train.output_dir={out}",
+        "optim.warmup_steps=2",
+        *extra,
+    ]
+    return ["train", "--config", "configs/toy.json", *[arg for item in sets for arg in ("--set", item)]]
+
+
+def step_log(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume_data")
+    write_toy_dataset(root, num_train=64, num_val=8, num_zeroshot=8, image_size=32, samples_per_shard=16)
+    return root
+
+
+@pytest.fixture(scope="module")
+def runs(data, tmp_path_factory):
+    """Per number of ranks: an uninterrupted run, a run killed right after its step-3 checkpoint, and
+    that run resumed with --resume latest."""
+    result = {}
+    for ranks in (1, 2):
+        tmp = tmp_path_factory.mktemp(f"resume_{ranks}ranks")
+        whole = launch(ranks, run_args(data, tmp / "whole", ranks), tmp / "whole.log")
+        marker = tmp / "killed" / "checkpoints" / checkpoint.tag_for_step(KILL_AFTER) / checkpoint.MARKER
+        launch(ranks, run_args(data, tmp / "killed", ranks), tmp / "killed.log", kill_once=marker)
+        killed_log = step_log(tmp / "killed")
+        step3 = tmp / "step3" / marker.parent.name  # kept for the other number of ranks
+        shutil.copytree(marker.parent, step3)
+        args = [*run_args(data, tmp / "killed", ranks), "--resume", "latest"]
+        resumed = launch(ranks, args, tmp / "resumed.log")
+        result[ranks] = {"tmp": tmp, "logs": (whole, resumed), "killed_log": killed_log, "step3": step3}
+    return result
+
+
+@pytest.fixture(scope="module")
+def converted(runs, data):
+    """The step-3 checkpoint of each killed run resumed on the other number of ranks, for 2 more steps."""
+    result = {}
+    for ranks, other in ((1, 2), (2, 1)):
+        out = runs[ranks]["tmp"] / f"from_{other}_ranks"
+        original = out / "checkpoints" / runs[other]["step3"].name
+        shutil.copytree(runs[other]["step3"], original)
+        # the other number of ranks' command as it was (its accumulation): launched on these ranks
+        args = [*run_args(data, out, other, steps=KILL_AFTER + 2), "--resume", "latest"]
+        log = launch(ranks, args, runs[ranks]["tmp"] / f"from_{other}_ranks.log")
+        result[ranks] = {"out": out, "log": log, "saved": zero_state(runs[other]["step3"])}
+    return result
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_killed_run_resumes_exactly(runs, ranks):
+    tmp = runs[ranks]["tmp"]
+    assert f"resumed from {tmp / 'killed' / 'checkpoints'}" in runs[ranks]["logs"][1]
+    killed_steps = [record["step"] for record in runs[ranks]["killed_log"]]
+    assert KILL_AFTER <= killed_steps[-1] < STEPS  # killed after its checkpoint, before its end
+    whole, resumed = step_log(tmp / "whole"), step_log(tmp / "killed")
+    assert [r["step"] for r in whole] == [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    assert resumed[:KILL_AFTER] == runs[ranks]["killed_log"][:KILL_AFTER]  # kept from the killed run
+    assert {r["epoch"] for r in whole} == {0, 1}
+    for want, got in zip(whole, resumed):
+        assert want.keys() == got.keys()
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-30), (want["step"], key)
+    final = checkpoint.tag_for_step(STEPS)
+    want = consolidated_state_dict(tmp / "whole" / "checkpoints" / final)
+    got = consolidated_state_dict(tmp / "killed" / "checkpoints" / final)
+    assert want.keys() == got.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-6, atol=0, msg=name)
+    for path in (tmp / "whole" / "checkpoints" / final / "per_sample").iterdir():
+        table = torch.load(path)["values"]
+        other = torch.load(tmp / "killed" / "checkpoints" / final / "per_sample" / path.name)["values"]
+        torch.testing.assert_close(other, table, rtol=1e-6, atol=0)
+
+
+def zero_state(folder: Path) -> dict:
+    """Every parameter's fp32 weights and moments, and every group's step, merged from the ZeRO partitions
+    of all ranks by their slice mappings: written out here, not through DeepSpeed's converter."""
+    files = sorted(folder.glob("zero_pp_rank_*_mp_rank_00_optim_states.pt"))
+    parts = [torch.load(f, weights_only=False)["optimizer_state_dict"] for f in files]
+    shapes = {}
+    for group in torch.load(folder / "mp_rank_00_model_states.pt", weights_only=False)["param_shapes"]:
+        shapes.update(group)
+    merged, steps = {}, []
+    for g in range(len(parts[0]["param_slice_mappings"])):
+        steps.append({int(part["base_optimizer_state"]["state"][g]["step"]) for part in parts})
+        for name in shapes:
+            for key in ("fp32", "exp_avg", "exp_avg_sq"):
+                pieces = []
+                for part in parts:
+                    fragment = part["param_slice_mappings"][g].get(name)
+                    if fragment is not None:
+                        flat = part["single_partition_of_fp32_groups"][g] if key == "fp32" else None
+                        flat = part["base_optimizer_state"]["state"][g][key] if flat is None else flat
+                        pieces.append(flat.narrow(0, fragment.start, fragment.numel))
+                if pieces:
+                    merged.setdefault(name, {})[key] = torch.cat(pieces).reshape(shapes[name])
+    return {"params": merged, "steps": steps, "ranks": len(parts)}
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_resume_on_another_number_of_ranks(converted, ranks):
+    """The other number of ranks' step-3 checkpoint, resumed here: converted beside the original, the
+    global batch kept by the accumulation, the loaded state saved at once in this layout with fp32
+    weights, moments and step exactly as saved; then 2 more steps train."""
+    run = converted[ranks]
+    original = run["out"] / "checkpoints" / checkpoint.tag_for_step(KILL_AFTER)
+    assert f"converting {original} " in run["log"] and f"{original}.universal" in run["log"]
+    accum, was = GLOBAL // MICRO // ranks, GLOBAL // MICRO // {1: 2, 2: 1}[ranks]
+    assert f"kept on {ranks} ranks with train.grad_accum_steps={accum} (was {was})" in run["log"]
+    saved, again = run["saved"], zero_state(original)
+    assert (saved["ranks"], again["ranks"]) == ({1: 2, 2: 1}[ranks], ranks)
+    assert again["steps"] == saved["steps"] == [{KILL_AFTER}] * len(saved["steps"])
+    assert again["params"].keys() == saved["params"].keys()
+    for name, tensors in saved["params"].items():
+        for key, value in tensors.items():
+            assert torch.equal(again["params"][name][key], value), (name, key)
+    assert [r["step"] for r in step_log(run["out"])] == [KILL_AFTER + 1, KILL_AFTER + 2]
+    assert (
+        checkpoint.read_marker(run["out"] / "checkpoints" / checkpoint.tag_for_step(KILL_AFTER + 2))[
+            "world_size"
+        ]
+        == ranks
+    )
