@@ -5,7 +5,7 @@ starts its own sshd on both (a free port, host and client keys it generates, not
 an ``ssh`` first on PATH that uses an ssh config of its own: the stand-in for the ``~/.ssh/config`` of a
 cluster user, which reaches both DeepSpeed's ssh check and pdsh, while the real ``~/.ssh`` is neither read
 nor changed. The checkpoint of the two-node run is then resumed on one node with the same world size
-(``launchers/single_node.sh`` with 2 ranks): ZeRO checkpoints are tied to the number of ranks.
+(``launchers/single_node.sh`` with 2 ranks); another number of ranks is tests/test_resume.py's.
 
 Two launches in all, shared by every test in this module. Skipped, saying why, where sshd or pdsh is
 missing (``.ci/run`` installs them: Debian packages openssh-server and pdsh).
