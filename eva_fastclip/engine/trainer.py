@@ -66,7 +66,8 @@ class Trainer:
         self, cfg: ExperimentConfig, ds_config: dict[str, Any], resume: str | None = None, loader=None
     ) -> None:
         """``loader`` replaces the webdataset loader (benchmarks, tests): an iterable of (images, tokens,
-        indices) with ``num_batches`` and ``set_epoch``."""
+        indices) with ``num_batches`` and ``set_epoch``; a resumed epoch reads and drops the batches done
+        unless it also has TrainLoader's ``state_dict`` and ``resume``."""
         self.cfg = cfg
         seed_everything(cfg.train.seed)
         if int(os.environ.get("RANK", "0")) == 0:  # before joining the group: a bad path stops the run now
