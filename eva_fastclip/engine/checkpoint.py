@@ -188,6 +188,21 @@ def load_checkpoint(engine, folder: Path, universal: Path | None = None) -> dict
     return client_state
 
 
+def saved_precision(folder: Path) -> str | None:
+    """bf16, fp16 or fp32: what the checkpoint was trained in (its marker says; older ones, the DeepSpeed
+    config inside their model states)."""
+    marker = read_marker(folder)
+    if "precision" in marker:
+        return marker["precision"]
+    states = sorted(folder.glob("mp_rank_*_model_states.pt"))
+    if not states:
+        return None
+    ds = torch.load(states[0], map_location="cpu", weights_only=False, mmap=True).get("ds_config", {})
+    if ds.get("bf16", {}).get("enabled") is True:
+        return "bf16"
+    return "fp16" if ds.get("fp16", {}).get("enabled") is True else "fp32"
+
+
 def save_rank_state(folder: Path, rank: int, state: dict[str, Any]) -> None:
     (folder / RANK_STATE).mkdir(parents=True, exist_ok=True)
     torch.save(state, folder / RANK_STATE / f"rank_{rank:05d}.pt")

@@ -194,3 +194,25 @@ def apply_precision(ds: dict[str, Any], choice: PrecisionChoice) -> None:
             section = {**FP16_DEFAULTS, **section}
         section["enabled"] = enabled
         ds[name] = section
+
+
+def for_resume(
+    choice: PrecisionChoice, saved: str | None, *, explicit: bool, checkpoint: str
+) -> PrecisionChoice:
+    """The precision a resumed run trains in: the checkpoint's. DeepSpeed keeps its optimizer state in
+    files that differ by precision (``bf16_zero_pp_rank_*`` against ``zero_pp_rank_*``), so a run moved to
+    hardware where ``auto`` would choose otherwise goes on in the precision it was trained in; an explicit
+    choice that differs stops the run before step 1."""
+    if saved is None or saved == choice.name:
+        return choice
+    if explicit:
+        raise ConfigError(
+            f"{checkpoint} was trained in {saved}, but this run asks for {choice.name}: DeepSpeed cannot "
+            f"resume another precision's optimizer state; set train.precision={saved} or auto"
+        )
+    if saved == "fp16" and "CUDA" not in choice.reason:
+        raise ConfigError(f"{checkpoint} was trained in fp16, which DeepSpeed runs only on CUDA devices")
+    warning = None
+    if saved == "bf16":
+        warning = f"resuming in bf16 where auto would choose {choice.name}: steps may be much slower"
+    return PrecisionChoice(saved, f"the checkpoint's: {checkpoint} was trained in {saved}", warning)

@@ -35,7 +35,13 @@ from eva_fastclip.config import ConfigError, ExperimentConfig, batch_layout, gam
 from eva_fastclip.data import TrainLoader
 from eva_fastclip.engine import checkpoint, preflight
 from eva_fastclip.engine.evaluate import evaluate_model, format_results
-from eva_fastclip.engine.precision import common_hardware, detect_hardware
+from eva_fastclip.engine.precision import (
+    apply_precision,
+    common_hardware,
+    detect_hardware,
+    for_resume,
+    precision_in_deepspeed_json,
+)
 from eva_fastclip.engine.setup import (
     autocast_dtype,
     initialize_engine,
@@ -130,11 +136,19 @@ class Trainer:
         hardware = common_hardware(detect_hardware())
         source = cfg.train.deepspeed_config
         precision = resolve_precision(cfg, ds_config, source=source, hardware=hardware)
+        if self.resume_from is not None:  # a run goes on in the precision it was trained in
+            explicit = (
+                cfg.train.precision != "auto" or precision_in_deepspeed_json(ds_config, source) != "auto"
+            )
+            folder = self.resume_from[0]
+            saved = checkpoint.saved_precision(folder)
+            precision = for_resume(precision, saved, explicit=explicit, checkpoint=str(folder))
         if self.is_main:
             log.info("precision: %s (%s)", precision.name, precision.reason)
             if precision.warning:
                 log.warning(precision.warning)
         ds = resolve_deepspeed_config(ds_config, cfg, layout, source=source, hardware=hardware)
+        apply_precision(ds, precision)
         self.input_dtype = autocast_dtype(ds)
         if self.resume_from is not None and self.resume_from[1] is not None:
             ds["checkpoint"] = {**ds.get("checkpoint", {}), "load_universal": True}
@@ -353,6 +367,7 @@ class Trainer:
             "layout": {
                 "micro_batch": self.layout.micro_batch,
                 "grad_accum_steps": self.layout.grad_accum_steps,
+                "precision": precision_of(self.engine),
             },
             "config": self.cfg.to_dict(),
             "temperature": self.temperature.state_dict(),
@@ -374,6 +389,7 @@ class Trainer:
                 "global_batch": self.layout.global_batch,
                 "micro_batch": self.layout.micro_batch,
                 "grad_accum_steps": self.layout.grad_accum_steps,
+                "precision": precision_of(self.engine),
             },
         )
         self._saved_step = self.step
@@ -687,6 +703,11 @@ def _default_rendezvous_env() -> None:
             os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
+
+
+def precision_of(engine) -> str:
+    """bf16, fp16 or fp32: the precision ``engine`` trains in."""
+    return "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
 
 
 def read_full_parameter(param: torch.nn.Parameter) -> torch.Tensor:

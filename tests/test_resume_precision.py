@@ -1,0 +1,51 @@
+"""A run resumed where `train.precision: auto` would choose another precision (a bf16 checkpoint moved to
+an AVX2-only CPU) goes on in the precision it was trained in: DeepSpeed's optimizer files differ by
+precision. An explicit choice that differs stops before step 1. One rank, in this process."""
+
+import pytest
+from test_step_hooks import BATCH, FixedBatches
+
+from eva_fastclip.config import ConfigError, load_config
+from eva_fastclip.engine import checkpoint
+from eva_fastclip.engine import trainer as trainer_module
+from eva_fastclip.engine.precision import Hardware
+from eva_fastclip.engine.setup import load_deepspeed_config
+from eva_fastclip.engine.trainer import Trainer, precision_of
+
+
+def make_trainer(tmp_path, precision, resume=None, steps=2):
+    cfg = load_config(
+        "configs/toy.json",
+        [
+            "model.name=test-vit-xs",
+            "loss.name=fastclip_v3",
+            f"train.batch_size={BATCH}",
+            f"train.output_dir={tmp_path}",
+            f"train.steps={steps}",
+            f"train.precision={precision}",
+            "optim.warmup_steps=1",
+            "eval.zeroshot_dir=null",
+            "eval.retrieval_shards=null",
+        ],
+    )
+    return Trainer(
+        cfg, load_deepspeed_config(cfg.train.deepspeed_config), resume=resume, loader=FixedBatches()
+    )
+
+
+def test_resume_keeps_the_checkpoint_precision(tmp_path, monkeypatch):
+    first = make_trainer(tmp_path, "bf16")
+    first.train()
+    folder = checkpoint.resolve_resume("latest", tmp_path / "checkpoints")
+    assert (
+        checkpoint.saved_precision(folder) == "bf16" and checkpoint.read_marker(folder)["precision"] == "bf16"
+    )
+
+    avx2 = Hardware(cuda=False, native_bf16=False, description="CPU (AVX2)")
+    monkeypatch.setattr(trainer_module, "detect_hardware", lambda: avx2)
+    with pytest.raises(ConfigError, match="was trained in bf16, but this run asks for fp32"):
+        make_trainer(tmp_path, "fp32", resume="latest", steps=3)
+    resumed = make_trainer(tmp_path, "auto", resume="latest", steps=3)  # auto here alone would be fp32
+    assert precision_of(resumed.engine) == "bf16" and resumed.step == 2
+    resumed.train()
+    assert resumed.step == 3
