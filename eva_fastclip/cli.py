@@ -162,12 +162,13 @@ def cmd_train(args) -> int:
     world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     layout = batch_layout(cfg, world_size)
     # validated here, before any process group starts
-    hardware = detect_hardware()
-    resolved = resolve_deepspeed_config(ds, cfg, layout, source=cfg.train.deepspeed_config, hardware=hardware)
+    precision = resolve_precision(cfg, ds, source=cfg.train.deepspeed_config, hardware=detect_hardware())
+    resolved = resolve_deepspeed_config(
+        ds, cfg, layout, source=cfg.train.deepspeed_config, precision=precision
+    )
     # every path the run reads or writes, and its lengths: checked before any process group starts
     report = preflight.check_run(cfg, world_size, resume=args.resume)
     if args.dry_run:
-        precision = resolve_precision(cfg, ds, source=cfg.train.deepspeed_config, hardware=hardware)
         summary = {
             "world_size": world_size,
             "global_batch": layout.global_batch,

@@ -126,7 +126,7 @@ def check_run(
             urls,
             num_samples=cfg.data.num_samples,
             index_size=cfg.data.index_size,
-            needs_index=_needs_index(cfg),
+            needs_index=needs_index(cfg),
             index_key=cfg.data.index_key,
         )
     except ValueError as err:
@@ -375,7 +375,8 @@ def check_output_dir(output_dir: str) -> list[Problem]:
     return []
 
 
-def _needs_index(cfg: ExperimentConfig) -> bool:
+def needs_index(cfg: ExperimentConfig) -> bool:
+    """Whether the loss keeps per-sample state, and so needs every sample's dataset index."""
     from eva_fastclip.losses import LOSSES, CompositionalLoss
 
     return issubclass(LOSSES[cfg.loss.name], CompositionalLoss)

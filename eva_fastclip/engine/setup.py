@@ -52,10 +52,12 @@ def resolve_deepspeed_config(
     *,
     source: str,
     hardware: Hardware | None = None,
+    precision: PrecisionChoice | None = None,
 ) -> dict[str, Any]:
     """Fill "auto" values from the experiment config and check that everything else agrees with it.
 
-    The precision is chosen for ``hardware`` (this machine's device when None): engine/precision.py.
+    The precision is ``precision`` where the caller has chosen it already (a resumed run keeps its
+    checkpoint's), else chosen for ``hardware`` (this machine's device when None): engine/precision.py.
     """
     ds = copy.deepcopy(ds)
     owned = [
@@ -92,7 +94,7 @@ def resolve_deepspeed_config(
         prefix="optimizer.params.",
     )
 
-    apply_precision(ds, resolve_precision(cfg, ds, source=source, hardware=hardware))
+    apply_precision(ds, precision or resolve_precision(cfg, ds, source=source, hardware=hardware))
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if stage not in (0, 1, 2):
         raise ConfigError(

@@ -36,7 +36,6 @@ from eva_fastclip.data import TrainLoader
 from eva_fastclip.engine import checkpoint, preflight
 from eva_fastclip.engine.evaluate import evaluate_model, format_results
 from eva_fastclip.engine.precision import (
-    apply_precision,
     common_hardware,
     detect_hardware,
     for_resume,
@@ -49,7 +48,7 @@ from eva_fastclip.engine.setup import (
     resolve_precision,
     retarget_schedule,
 )
-from eva_fastclip.losses import LOSSES, CompositionalLoss, Gatherer, build_loss
+from eva_fastclip.losses import Gatherer, build_loss
 from eva_fastclip.models import create_model
 from eva_fastclip.models.kernels import configure_kernels
 from eva_fastclip.models.masking import set_patch_dropout
@@ -110,7 +109,7 @@ class Trainer:
             num_samples=cfg.data.num_samples,
             index_size=cfg.data.index_size,
             # only per-sample state needs indices: the OpenCLIP loss trains on samples without one
-            needs_index=issubclass(LOSSES[cfg.loss.name], CompositionalLoss),
+            needs_index=preflight.needs_index(cfg),
             shuffle_buffer=cfg.data.shuffle_buffer,
             workers=cfg.data.workers,
             index_key=cfg.data.index_key,
@@ -147,8 +146,7 @@ class Trainer:
             log.info("precision: %s (%s)", precision.name, precision.reason)
             if precision.warning:
                 log.warning(precision.warning)
-        ds = resolve_deepspeed_config(ds_config, cfg, layout, source=source, hardware=hardware)
-        apply_precision(ds, precision)
+        ds = resolve_deepspeed_config(ds_config, cfg, layout, source=source, precision=precision)
         self.input_dtype = autocast_dtype(ds)
         if self.resume_from is not None and self.resume_from[1] is not None:
             ds["checkpoint"] = {**ds.get("checkpoint", {}), "load_universal": True}
