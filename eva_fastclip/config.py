@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -170,15 +171,15 @@ class LossConfig:
     """lr of tau: its own constant-lr group (rgcl_g) or the per-sample step (individual rules); null for
     `learnable`: tau shares the model's lr and schedule (FastCLIP-v0: lr_tau = lr)."""
     temperature_lr_drop_below: float | None = None
-    """rgcl_g: once tau <= this value, tau's lr is multiplied by temperature_lr_drop_factor (once)."""
+    """rgcl_g: once tau <= this value, tau's lr is multiplied by temperature_lr_drop_factor (once); > 0."""
     temperature_lr_drop_factor: float = 1.0 / 3.0
-    """rgcl_g: factor of the one-time lr drop."""
+    """rgcl_g: factor of the one-time lr drop, in (0, 1]."""
     temperature_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """individual_adam: Adam's (beta1, beta2) for the per-sample tau."""
     temperature_momentum: float = 0.5
     """individual_momentum: m <- momentum*m + (1-momentum)*grad (iSogCLR)."""
     temperature_grad_clip: float = 5.0
-    """Individual rules: per-sample tau gradients are clamped to [-clip, clip]."""
+    """Individual rules: per-sample tau gradients are clamped to [-clip, clip]; > 0."""
     gamma_schedule: str | None = None
     """Inner rate gamma of the u estimators: "cosine" (1 -> gamma_min over gamma_decay_epochs) or
     "constant" (gamma_min); gamma is 1 in the first epoch either way."""
@@ -231,6 +232,15 @@ class LossConfig:
             raise ConfigError("loss.temperature_betas must be two numbers in [0, 1)")
         if not 0.0 <= self.temperature_momentum < 1.0:
             raise ConfigError("loss.temperature_momentum must be in [0, 1)")
+        # a negative clip would clamp every per-sample tau gradient to -clip, a constant push
+        _positive("loss.temperature_grad_clip", self.temperature_grad_clip)
+        if not 0.0 < self.temperature_lr_drop_factor <= 1.0:
+            raise ConfigError(
+                "loss.temperature_lr_drop_factor must be in (0, 1] (it multiplies tau's lr once tau falls "
+                f"to loss.temperature_lr_drop_below; FastCLIP: 1/3), got {self.temperature_lr_drop_factor}"
+            )
+        if self.temperature_lr_drop_below is not None:
+            _positive("loss.temperature_lr_drop_below", self.temperature_lr_drop_below)
         if self.name != "openclip":
             if self.gamma_schedule not in ("cosine", "constant"):
                 raise ConfigError(
@@ -466,6 +476,9 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
         return [_coerce(item_hint, v, f"{key}[{i}]") for i, v in enumerate(value)]
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, float) and not math.isfinite(value):
+        # JSON's NaN / Infinity parse, and every comparison with NaN is False: no range check catches it
+        raise ConfigError(f"config key {key!r} must be a finite number, got {value!r}")
     if hint in (int, float, str, bool) and not (isinstance(value, hint) and not _is_fake_int(hint, value)):
         raise ConfigError(f"config key {key!r} must be {hint.__name__}, got {value!r}")
     return value

@@ -49,6 +49,15 @@ def test_defaults_and_overrides(tmp_path):
             {"loss": {"name": "isogclr", "temperature_momentum": 1.0}},
             "temperature_momentum must be in [0, 1)",
         ),
+        ({"optim": {"lr": float("nan")}}, "'optim.lr' must be a finite number, got nan"),
+        ({"loss": {"name": "fastclip_v3", "rho": float("inf")}}, "'loss.rho' must be a finite number"),
+        ({"optim": {"min_lr_ratio": float("-inf")}}, "'optim.min_lr_ratio' must be a finite number"),
+        (
+            {"loss": {"name": "isogclr", "temperature_grad_clip": -1}},
+            "loss.temperature_grad_clip must be > 0",
+        ),
+        ({"loss": {"name": "fastclip_v3", "temperature_lr_drop_factor": -3}}, "must be in (0, 1]"),
+        ({"loss": {"name": "fastclip_v3", "temperature_lr_drop_below": 0}}, "drop_below must be > 0"),
     ],
 )
 def test_rejects_bad_values_naming_the_key(tmp_path, payload, message):

@@ -211,6 +211,35 @@ def test_dry_run_reports_every_check(toy, tmp_path, capsys):
     assert "1 problem(s) before step 1" in err and "eval.zeroshot_dir" in err
 
 
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("optim.lr=NaN", "optim.lr"),
+        ("loss.rho=NaN", "loss.rho"),
+        ("optim.weight_decay=Infinity", "optim.weight_decay"),
+        ("loss.temperature_betas=[0.9, NaN]", "loss.temperature_betas[1]"),
+        ("loss.temperature_grad_clip=-1", "loss.temperature_grad_clip"),
+        ("loss.temperature_lr_drop_factor=-3", "loss.temperature_lr_drop_factor"),
+        ("train.batch_size=1", "train.batch_size"),
+    ],
+)
+def test_values_that_used_to_train_wrong_or_crash_late_stop_the_dry_run(toy, tmp_path, capsys, override, key):
+    """Each of these passed --dry-run and then trained something else (NaN lr, every tau gradient clamped to
+    -1, a negative lr after the drop) or crashed at step 1 (one pair on one rank has no negatives)."""
+    argv = ["train", "--config", "configs/toy.json"]
+    for item in good(toy, tmp_path) + ["loss.name=fastclip_v3", override]:
+        argv += ["--set", item]
+    assert main(argv + ["--dry-run"]) == 2
+    assert key in capsys.readouterr().err
+    assert main(argv) == 2  # train stops at the same check, before anything is written
+    assert key in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_two_pairs_across_ranks_are_enough(toy, tmp_path):
+    assert check(toy, tmp_path, "train.batch_size=1", "loss.name=fastclip_v3", world_size=2).errors == []
+
+
 def test_zeroshot_dir_pointing_nowhere_stops_train_before_step_1(toy, tmp_path, capsys):
     """It used to be found after the last step and the final save."""
     argv = ["train", "--config", "configs/toy.json"]

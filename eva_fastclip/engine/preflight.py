@@ -174,6 +174,17 @@ def check_schedule(
                 f"train.grad_accum_steps to at most {micro_batches_per_epoch} or train.batch_size",
             )
         ]
+    pairs = train.batch_size * world_size
+    if pairs < 2:
+        # one pair has no negatives: OpenCLIP's loss is 0, the global contrastive loss is undefined
+        return [
+            Problem(
+                "train.batch_size",
+                f"each loss evaluation sees train.batch_size={train.batch_size} x {world_size} rank(s) = "
+                f"{pairs} pair, and a contrastive loss needs at least 2 (each anchor's negatives are the "
+                "other pairs): raise train.batch_size",
+            )
+        ]
     problems = []
     steps = total_steps(cfg, micro_batches_per_epoch)
     length = f"train.steps={train.steps}" if train.steps else f"train.epochs={train.epochs}: {steps} steps"

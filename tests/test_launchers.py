@@ -1,0 +1,76 @@
+"""launchers/single_node.sh hands DeepSpeed's launcher the GPUs the job was given: the launcher drops
+CUDA_VISIBLE_DEVICES once --num_gpus is passed and takes GPUs 0..N-1, another job's on a shared node.
+Run against stand-ins for ``deepspeed`` and ``nvidia-smi`` that record what they were called with."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "launchers" / "single_node.sh"
+
+
+@pytest.fixture
+def fake_bin(tmp_path):
+    """A PATH entry whose deepspeed prints its arguments and environment, on a node with 8 GPUs."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "deepspeed").write_text(
+        '#!/usr/bin/env bash\necho "ARGS $*"\necho "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset}"\n'
+    )
+    (bin_dir / "nvidia-smi").write_text(
+        '#!/usr/bin/env bash\nfor i in 0 1 2 3 4 5 6 7; do echo "GPU $i: NVIDIA H100 (UUID: GPU-$i)"; done\n'
+    )
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    return bin_dir
+
+
+def launch(fake_bin, **env):
+    base = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "NUM_GPUS")}
+    base["PATH"] = f"{fake_bin}:{base['PATH']}"
+    return subprocess.run(
+        ["bash", str(SCRIPT), "cfg.json", "--resume", "latest"],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def called_with(result) -> tuple[list[str], str]:
+    assert result.returncode == 0, result.stderr
+    args_line, env_line = result.stdout.splitlines()
+    return args_line.split()[1:], env_line
+
+
+def test_the_visible_gpus_are_the_ones_used(fake_bin):
+    args, env = called_with(launch(fake_bin, CUDA_VISIBLE_DEVICES="4,5,6,7"))
+    assert args[:2] == ["--include", "localhost:4,5,6,7"] and "--num_gpus" not in args
+    assert env == "CUDA_VISIBLE_DEVICES=unset"  # the launcher sees every GPU; --include picks 4-7
+    assert args[-5:] == ["train", "--config", "cfg.json", "--resume", "latest"]
+
+
+def test_num_gpus_takes_the_first_visible_ones(fake_bin):
+    args, _ = called_with(launch(fake_bin, CUDA_VISIBLE_DEVICES="6,2,3", NUM_GPUS="2"))
+    assert args[:2] == ["--include", "localhost:6,2"]
+
+
+def test_without_visible_devices_all_gpus_or_num_gpus(fake_bin):
+    args, _ = called_with(launch(fake_bin))
+    assert args[:2] == ["--num_gpus", "8"]
+    args, _ = called_with(launch(fake_bin, NUM_GPUS="3"))
+    assert args[:2] == ["--num_gpus", "3"]
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"CUDA_VISIBLE_DEVICES": "GPU-1f2e,GPU-3a4b"}, "takes GPU indices, not 'GPU-1f2e'"),
+        ({"CUDA_VISIBLE_DEVICES": "0,1", "NUM_GPUS": "4"}, "names 2 GPU(s): set NUM_GPUS between 1 and 2"),
+    ],
+)
+def test_what_cannot_be_honoured_is_refused(fake_bin, env, message):
+    result = launch(fake_bin, **env)
+    assert result.returncode == 2 and message in result.stderr and "ARGS" not in result.stdout
