@@ -108,6 +108,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench_loss)
 
     p = sub.add_parser(
+        "bench-lamb",
+        help="LAMB optimizer step time: trust ratio per tensor against per ZeRO partition (and FusedLamb)",
+    )
+    p.add_argument("--width", type=int, default=768, help="ViT width of the parameter set (ViT-B/16: 768)")
+    p.add_argument("--layers", type=int, default=12, help="ViT blocks of the parameter set")
+    p.add_argument("--rounds", type=int, default=7, help="timed steps of each contestant, alternating")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda where present)")
+    p.add_argument("--output", default="runs/bench/lamb_step.json", help="JSON file for all step times")
+    p.set_defaults(func=cmd_bench_lamb)
+
+    p = sub.add_parser(
         "bench-convergence",
         help="every loss trains one small CLIP on real openclipart pairs: held-out R@1 and zero-shot curves",
     )
@@ -274,6 +285,17 @@ def cmd_bench_loss(args) -> int:
 
     argv = ["--dim", str(args.dim), "--output", args.output] + (["--quick"] if args.quick else [])
     return loss_memory.main(argv)
+
+
+def cmd_bench_lamb(args) -> int:
+    from eva_fastclip.bench.lamb_step import format_lamb_report, run_lamb_benchmark
+
+    results = run_lamb_benchmark(
+        width=args.width, layers=args.layers, rounds=args.rounds, device=args.device, output=args.output
+    )
+    print(format_lamb_report(results), flush=True)
+    print(f"full results: {results['output']}", flush=True)
+    return 0
 
 
 def cmd_bench_convergence(args) -> int:

@@ -153,6 +153,8 @@ PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 TEMPERATURE_RULES = ("fixed", "learnable", "rgcl_g", "individual_adam", "individual_momentum")
 #: how the rgcl_g rule takes tau's gradient: the objective's, or what FastCLIP's code computes
 TAU_GRADIENTS = ("exact", "fastclip_code")
+#: optim.lamb_trust_ratio: per model tensor (ours), or per flat ZeRO partition (DeepSpeed's FusedLamb).
+LAMB_TRUST_RATIOS = ("per_tensor", "per_zero_partition")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -286,6 +288,10 @@ class OptimConfig:
     temperature_trust_ratio: bool = False
     """LAMB: scale the learned temperature's step by its trust ratio like every other tensor's (FusedLamb's
     own behaviour, EVA-CLIP); false: tau steps like Adam (ratio 1), as under FastCLIP's AdamW and LAMB."""
+    lamb_trust_ratio: str = "per_tensor"
+    """LAMB: the trust ratio of each parameter tensor, the same for any number of ranks and ZeRO stage;
+    per_zero_partition: of each flat ZeRO partition of a parameter group, as DeepSpeed's FusedLamb takes it
+    (EVA-CLIP's runs), which changes the steps with the number of ranks."""
 
     def __post_init__(self) -> None:
         _positive("optim.lr", self.lr)
@@ -302,6 +308,10 @@ class OptimConfig:
         _positive("optim.warmup_steps", self.warmup_steps, allow_zero=True)
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.lamb_trust_ratio not in LAMB_TRUST_RATIOS:
+            raise ConfigError(
+                f"optim.lamb_trust_ratio must be one of {LAMB_TRUST_RATIOS}, got {self.lamb_trust_ratio!r}"
+            )
 
 
 @dataclass(kw_only=True, slots=True)

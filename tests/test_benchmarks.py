@@ -30,3 +30,18 @@ def test_loss_benchmark_counts_the_documented_bytes_and_no_backward_traffic():
     assert point["openclip"]["bytes_backward"] == expected_traffic(64, 2, 16)["openclip"]["backward"] > 0
     assert point["ours"]["bytes_backward"] == 0
     assert "claim ours_no_backward_traffic: holds" in format_table(results)
+
+
+def test_lamb_benchmark_times_both_trust_ratio_rules(tmp_path):
+    from eva_fastclip.bench.lamb_step import flat_groups, format_lamb_report, run_lamb_benchmark, vit_tensors
+
+    tensors = vit_tensors(width=32, layers=2)
+    groups = flat_groups(tensors)
+    assert len(groups) == 2 * 4  # (embeddings, 2 blocks, head) x (decay, no decay)
+    assert sorted(f.tensor for g in groups for f in g["fragments"]) == list(range(len(tensors)))
+    results = run_lamb_benchmark(width=32, layers=2, rounds=2, device="cpu", output=tmp_path / "lamb.json")
+    assert (tmp_path / "lamb.json").is_file()
+    assert list(results["contestants"]) == ["per_zero_partition", "per_tensor"]  # FusedLamb: CUDA only
+    assert all(len(r["step_times_s"]) == 2 for r in results["contestants"].values())
+    assert results["params"] == sum(g["size"] for g in groups)
+    assert "per_tensor" in format_lamb_report(results)

@@ -1,6 +1,8 @@
-"""The CPU LAMB against DeepSpeed's FusedLamb kernel, rewritten below in float64 from
+"""Our LAMB against DeepSpeed's FusedLamb kernel, rewritten below in float64 from
 csrc/lamb/fused_lamb_cuda_kernel.cu: single tensors, several steps, the trust ratio at both clipping bounds,
-the temperature switch on both devices, and a real ZeRO-1 engine step on its flat partitions."""
+tensors cut into fragments of flat buffers (as ZeRO lays them out) still stepped per tensor, the temperature
+switch on both devices, and ``per_zero_partition``: a real ZeRO-1 engine step per flat partition, as
+FusedLamb takes it. tests/test_lamb_zero.py runs the engines of every ZeRO stage on 1 and 2 ranks."""
 
 import json
 import math
@@ -10,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from eva_fastclip.config import OptimConfig, load_config
-from eva_fastclip.engine.lamb import Lamb
-from eva_fastclip.engine.setup import build_optimizer, build_scheduler
+from eva_fastclip.config import ConfigError, OptimConfig, load_config
+from eva_fastclip.engine.lamb import Fragment, Lamb, attach_zero_partitions
+from eva_fastclip.engine.setup import build_optimizer, initialize_engine
 
 LAMB_JSON = Path(__file__).parents[1] / "ds_configs" / "zero1_fp32_lamb.json"
 BETAS, EPS = (0.9, 0.98), 1e-6
@@ -228,17 +230,24 @@ def fused_lamb_on_cpu(monkeypatch):
     monkeypatch.setattr(fused_lamb, "FusedLambBuilder", Builder)
 
 
+#: (CUDA present, optim.lamb_trust_ratio): ours on CPU, ours on CUDA, FusedLamb (CUDA, DeepSpeed's rule)
+DEVICES_AND_RULES = [(False, "per_tensor"), (True, "per_tensor"), (True, "per_zero_partition")]
+
+
 @pytest.mark.parametrize("trust_ratio", [False, True])
 @pytest.mark.parametrize("temperature_lr", [None, 1e-2], ids=["learnable", "rgcl_g"])
 def test_both_devices_obey_the_temperature_switch(fused_lamb_on_cpu, trust_ratio, temperature_lr):
     from deepspeed.ops.lamb import FusedLamb
 
-    optim = OptimConfig(lr=1e-3, weight_decay=0.1, temperature_trust_ratio=trust_ratio)
     results = {}
-    for cuda in (False, True):
+    for cuda, rule in DEVICES_AND_RULES:
+        optim = OptimConfig(
+            lr=1e-3, weight_decay=0.1, temperature_trust_ratio=trust_ratio, lamb_trust_ratio=rule
+        )
         model = TinyClip()
         optimizer = build_optimizer(_resolved_ds(), model, optim, cuda=cuda, temperature_lr=temperature_lr)
-        assert isinstance(optimizer, FusedLamb if cuda else Lamb)
+        fused = cuda and rule == "per_zero_partition"  # FusedLamb only for DeepSpeed's own rule
+        assert isinstance(optimizer, FusedLamb if fused else Lamb)
         groups = {g["name"]: g for g in optimizer.param_groups}
         name = "other.temperature" if temperature_lr is None else "temperature"
         assert groups[name]["params"] == [model.logit_scale]
@@ -249,24 +258,27 @@ def test_both_devices_obey_the_temperature_switch(fused_lamb_on_cpu, trust_ratio
         theta = model.logit_scale.item()
         model(torch.randn(3, 6, generator=torch.Generator().manual_seed(3))).sum().backward()
         optimizer.step()
-        results[cuda] = [p.detach().clone() for p in model.parameters()]
+        results[cuda, rule] = [p.detach().clone() for p in model.parameters()]
         lr = groups[name]["lr"]
         moved = abs(model.logit_scale.item() - theta)
         # step 1: |u| = (1 - b1) / sqrt(1 - b2) (eps aside), the bias correction sqrt(1 - b2) / (1 - b1):
         # lr without the ratio, lr * |theta| * sqrt(1 - b2) / (1 - b1) with it (2.66 * 1.41 = 3.8 times more)
         correction = math.sqrt(1 - BETAS[1]) / (1 - BETAS[0])
         assert moved == pytest.approx(lr * theta * correction if trust_ratio else lr, rel=1e-4)
-    for ours, fused in zip(results[False], results[True]):
-        assert_matches(ours, fused.double())
+    for cuda, rule in DEVICES_AND_RULES[1:]:
+        for ours, other in zip(results[DEVICES_AND_RULES[0]], results[cuda, rule]):
+            assert_matches(ours, other.double())
 
 
 def test_lamb_settings_from_the_deepspeed_json_reach_both_devices(fused_lamb_on_cpu):
     extra = {"bias_correction": False, "eps_inside_sqrt": True, "max_coeff": 5.0, "min_coeff": 0.1}
-    for cuda in (False, True):
-        optimizer = build_optimizer(_resolved_ds(**extra), TinyClip(), OptimConfig(), cuda=cuda)
+    for cuda, rule in DEVICES_AND_RULES:
+        optim = OptimConfig(lamb_trust_ratio=rule)
+        optimizer = build_optimizer(_resolved_ds(**extra), TinyClip(), optim, cuda=cuda)
         group = next(g for g in optimizer.param_groups if g["name"] == "other.decay")
         assert (group["bias_correction"], group["max_coeff"], group["min_coeff"]) == (False, 5.0, 0.1)
-        assert optimizer.eps_mode == 0 if cuda else optimizer.eps_inside_sqrt
+        fused = cuda and rule == "per_zero_partition"
+        assert optimizer.eps_mode == 0 if fused else optimizer.eps_inside_sqrt
     with pytest.raises(ValueError, match=r"max_grad_norm.*gradient_clipping"):
         build_optimizer(_resolved_ds(max_grad_norm=1.0), TinyClip(), OptimConfig(), cuda=False)
     ds = json.loads((LAMB_JSON.parent / "zero1_bf16_adamw.json").read_text())
@@ -286,32 +298,27 @@ def test_a_checkpoint_does_not_bring_back_the_old_temperature_bounds():
     assert (temperature["max_coeff"], temperature["min_coeff"], temperature["lr"]) == (1.0, 1.0, 5e-3)
 
 
-# ---- a real ZeRO-1 engine step -------------------------------------------------------------------------
+# ---- per_zero_partition: a real ZeRO-1 engine step ------------------------------------------------------
 
 
-def test_zero1_engine_steps_each_flat_partition_as_the_kernel_does():
-    """DeepSpeed flattens each group into one fp32 partition (one rank: the whole group, padded) and hands
-    those to the optimizer: the update, trust ratio included, is the kernel's on the flat partition."""
-    import deepspeed
-
+def test_per_zero_partition_steps_each_flat_partition_as_the_kernel_does():
+    """``optim.lamb_trust_ratio=per_zero_partition``: DeepSpeed flattens each group into one fp32
+    partition (one rank: the whole group, padded) and hands those to the optimizer; the update, trust ratio
+    included, is the kernel's on the flat partition, as FusedLamb steps it under ZeRO."""
     from eva_fastclip.engine.trainer import init_process_group
 
     init_process_group()
-    cfg = load_config(None, ["optim.lr=0.01", "optim.weight_decay=0.1", "optim.warmup_steps=0"])
+    sets = ["optim.lr=0.01", "optim.weight_decay=0.1", "optim.warmup_steps=0"]
+    cfg = load_config(None, [*sets, "optim.lamb_trust_ratio=per_zero_partition"])
     ds = _resolved_ds()
     ds["optimizer"]["params"].update(lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
     ds.update(train_batch_size=3, train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=1)
     model, reference = TinyClip(), TinyClip()  # the same weights; the reference gets no DeepSpeed
-    optimizer = build_optimizer(ds, model, cfg.optim, cuda=False, temperature_lr=2e-2)
-    names = {id(p): n for n, p in model.named_parameters()}
-    groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    names = {id(p): n for n, p in reference.named_parameters()}
+    built = build_optimizer(ds, reference, cfg.optim, cuda=False, temperature_lr=2e-2).param_groups
+    groups = [[names[id(p)] for p in g["params"]] for g in built]
     assert groups == [["proj.weight"], ["proj.bias", "norm.weight", "norm.bias"], ["logit_scale"]]
-    engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        optimizer=optimizer,
-        lr_scheduler=build_scheduler(optimizer, cfg, total_steps=10),
-        config={k: v for k, v in ds.items() if k != "optimizer"},
-    )
+    engine = initialize_engine(model, cfg, ds, total_steps=10, temperature_lr=2e-2)
     flat = engine.optimizer.single_partition_of_fp32_groups
     params = dict(reference.named_parameters())
     moments = [(torch.zeros(p.numel()), torch.zeros(p.numel())) for p in flat]
@@ -341,3 +348,108 @@ def test_zero1_engine_steps_each_flat_partition_as_the_kernel_does():
                     params[n].copy_(part.view_as(params[n]))
         for n, p in model.named_parameters():  # the module's weights are the partitions'
             assert_matches(p, params[n].detach().double())
+
+
+# ---- per tensor across fragments of flat buffers -------------------------------------------------------
+
+
+def _flat_layout():
+    """Two flat "partitions" of one decayed group and one of a no-decay group, as ZeRO lays them out:
+    tensors back to back with alignment padding between them and at the end, ``matrix`` cut in two across
+    both decayed partitions. Returns (tensors, [(settings, [(tensor, tensor start, flat start, length)],
+    flat size)])."""
+    g = torch.Generator().manual_seed(7)
+    tensors = {
+        "matrix": torch.randn(6, 5, generator=g),
+        "other": torch.randn(4, generator=g),
+        "bias": torch.randn(3, generator=g) * 0.1,
+        "zero": torch.zeros(5),  # ||w|| = 0: ratio 1
+        "big": torch.full((4,), 1e3),  # ratio far above max_coeff
+        "tiny": torch.randn(6, generator=g) * 1e-6,  # far below min_coeff
+    }
+    layout = [
+        ({"weight_decay": 0.1}, [("matrix", 0, 0, 17)], 18),  # one element of padding at the end
+        ({"weight_decay": 0.1}, [("matrix", 17, 0, 13), ("other", 0, 14, 4)], 20),
+        ({"weight_decay": 0.0},
+         [("bias", 0, 0, 3), ("zero", 0, 4, 5), ("big", 0, 9, 4), ("tiny", 0, 14, 6)], 20),
+    ]  # fmt: skip
+    return tensors, layout
+
+
+def test_fragments_of_flat_buffers_step_per_tensor():
+    """Each tensor's ratio comes from its whole norms, summed over the fragments, wherever they lie; padding
+    never moves. The float64 per-tensor kernel is the reference."""
+    tensors, layout = _flat_layout()
+    order = list(tensors)
+    flats = []
+    for _, pieces, size in layout:
+        flat = torch.full((size,), 0.0)
+        for name, src, dst, length in pieces:
+            flat[dst : dst + length] = tensors[name].reshape(-1)[src : src + length]
+        flats.append(nn.Parameter(flat))
+    lr = 1e-2
+    optimizer = Lamb([{"params": [f], **settings} for f, (settings, _, _) in zip(flats, layout)],
+                     lr=lr, betas=BETAS, eps=EPS)  # fmt: skip
+    fragments = [
+        (f, [Fragment(order.index(name), dst, length) for name, _, dst, length in pieces])
+        for f, (_, pieces, _) in zip(flats, layout)
+    ]
+    optimizer.set_fragments(fragments, num_tensors=len(order))
+    decay = {name: settings["weight_decay"] for settings, pieces, _ in layout for name, *_ in pieces}
+    expected = {n: (t.double(), torch.zeros(t.shape).double(), torch.zeros(t.shape).double())
+                for n, t in tensors.items()}  # fmt: skip
+    g = torch.Generator().manual_seed(8)
+    for step in range(1, 4):
+        grads = {n: torch.randn(t.shape, generator=g) for n, t in tensors.items()}
+        for f, (_, pieces, size) in zip(flats, layout):
+            f.grad = torch.zeros(size)
+            for name, src, dst, length in pieces:
+                f.grad[dst : dst + length] = grads[name].reshape(-1)[src : src + length]
+        optimizer.step()
+        coeffs = {}
+        for name in order:
+            w, m, v = expected[name]
+            w, m, v, coeffs[name] = kernel_step(w, grads[name], m, v, step, lr=lr, weight_decay=decay[name])
+            expected[name] = (w, m, v)
+        assert optimizer.get_lamb_coeffs() == pytest.approx([coeffs[n] for n in order], rel=1e-5)
+        if step == 1:  # every case did what it is there for
+            assert (coeffs["zero"], coeffs["big"], coeffs["tiny"]) == (1.0, 10.0, 0.01)
+        for f, (_, pieces, size) in zip(flats, layout):
+            covered = torch.zeros(size, dtype=torch.bool)
+            for name, src, dst, length in pieces:
+                assert_matches(f[dst : dst + length], expected[name][0].reshape(-1)[src : src + length])
+                assert_matches(optimizer.state[f]["exp_avg"][dst : dst + length],
+                               expected[name][1].reshape(-1)[src : src + length])  # fmt: skip
+                covered[dst : dst + length] = True
+            assert torch.all(f[~covered] == 0), "padding moved"
+    # per flat buffer instead: the trust ratio of "matrix" would be two different ones
+    per_partition = [kernel_step(f.detach(), f.grad, 0 * f, 0 * f, 1, lr=lr, weight_decay=0.1)[3]
+                     for f in flats[:2]]  # fmt: skip
+    assert per_partition[0] != pytest.approx(per_partition[1], rel=1e-3)
+
+
+def test_a_flat_parameter_without_fragments_is_refused():
+    """Once fragments are set, a parameter without them (its tensors unknown) stops the step with the fix."""
+    known, unknown = nn.Parameter(torch.ones(4)), nn.Parameter(torch.ones(4))
+    optimizer = Lamb([known, unknown])
+    optimizer.set_fragments([(known, [Fragment(0, 0, 4)])], num_tensors=1)
+    known.grad, unknown.grad = torch.ones(4), torch.ones(4)
+    with pytest.raises(RuntimeError, match="attach_zero_partitions"):
+        optimizer.step()
+    with pytest.raises(ValueError, match="overlaps"):
+        optimizer.set_fragments([(known, [Fragment(0, 0, 3), Fragment(0, 2, 2)])], num_tensors=1)
+
+
+def test_unknown_flat_parameters_name_the_option_that_keeps_deepspeeds_rule():
+    """Flat parameters without DeepSpeed's fragment addresses (a wrapper we do not know) cannot be stepped
+    per tensor: the error names optim.lamb_trust_ratio."""
+    tensors = [nn.Parameter(torch.ones(2, 3)), nn.Parameter(torch.ones(3))]
+    optimizer = Lamb([nn.Parameter(torch.ones(9))])
+    with pytest.raises(RuntimeError, match="lamb_trust_ratio"):
+        attach_zero_partitions(optimizer, tensors)
+    assert attach_zero_partitions(Lamb(tensors), tensors) is False  # whole tensors: per tensor already
+
+
+def test_the_trust_ratio_rule_is_validated():
+    with pytest.raises(ConfigError, match="optim.lamb_trust_ratio must be one of"):
+        OptimConfig(lamb_trust_ratio="per_partition")

@@ -1,14 +1,23 @@
-"""DeepSpeed's FusedLamb written in PyTorch ops: what ``"type": "Lamb"`` steps with where CUDA is absent.
+"""LAMB with each parameter tensor's own trust ratio, on any device and under ZeRO 0, 1 or 2 alike.
 
-On CUDA the optimizer is DeepSpeed's ``FusedLamb`` (ops/csrc/lamb/fused_lamb_cuda_kernel.cu); this class
-computes the same update on any device, so an experiment takes the same steps on CPU and GPU. Per tensor
-(under ZeRO-1 that is per flat partition of a parameter group), with ``t`` the tensor's own step count:
+The update is DeepSpeed's FusedLamb (ops/csrc/lamb/fused_lamb_cuda_kernel.cu) in PyTorch ops. Per parameter
+tensor of the model, with ``t`` the step count:
 
     m <- beta1 m + (1 - beta1) g
     v <- beta2 v + (1 - beta2) g^2
     u  = m / (sqrt(v) + eps) + weight_decay w          (eps_inside_sqrt: m / sqrt(v + eps))
     r  = ||w|| / ||u||, clipped to at most max_coeff, then to at least min_coeff; r = 1 if ||w|| or ||u|| is 0
     w <- w - lr r u sqrt(1 - beta2^t) / (1 - beta1^t)     (without bias_correction: w - lr r u)
+
+**Per tensor under ZeRO.** ZeRO-1/2 hand the optimizer one flat fp32 partition per parameter group and rank
+instead of the tensors. FusedLamb takes ``r`` of each flat partition, so its steps change with the number
+of ranks (and between ZeRO-0 and ZeRO-1). Here each flat partition is told which tensor fragments it holds
+(:func:`attach_zero_partitions`, called after ``deepspeed.initialize``). A step sums ||w||^2 and ||u||^2 of
+every fragment into one vector of per-tensor sums, and one all-reduce over the data-parallel group adds
+the other ranks' fragments. Every fragment is then scaled by its whole tensor's ``r``, so 1 or K ranks and
+ZeRO 0, 1 or 2 take the same steps up to rounding. Without fragments (a plain PyTorch use, ZeRO-0)
+every parameter is its own tensor. ``optim.lamb_trust_ratio: per_zero_partition`` keeps DeepSpeed's rule
+(to reproduce runs made with it): no fragments, so each flat partition counts as one tensor.
 
 Where this differs from timm's ``Lamb`` and FastCLIP's LAMB: every tensor gets the trust ratio, biases,
 norms and the temperature included (theirs skip groups without weight decay) and it is always clipped;
@@ -17,20 +26,30 @@ bias correction only scales the step; the weight decay is part of ``u``, so the 
 A group's ``max_coeff`` / ``min_coeff`` are read per group, as FusedLamb reads them: ``max_coeff =
 min_coeff = 1`` steps that group like Adam with weight decay inside the update.
 
-The state (``step``, ``exp_avg``, ``exp_avg_sq`` per tensor) and the group keys are FusedLamb's, so one
-device's checkpoint resumes on the other.
+The state (``step``, ``exp_avg``, ``exp_avg_sq`` per optimizer parameter) and the group keys are FusedLamb's,
+so a checkpoint of either resumes with the other; the step count is kept per optimizer parameter (a flat
+partition under ZeRO), as FusedLamb keeps it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
+
+
+class Fragment(NamedTuple):
+    """Elements ``start .. start + length`` of a flat parameter belong to model tensor ``tensor``."""
+
+    tensor: int
+    start: int
+    length: int
 
 
 class Lamb(torch.optim.Optimizer):
-    """FusedLamb's update in PyTorch ops; same constructor arguments, same defaults.
+    """FusedLamb's update in PyTorch ops, trust ratio per model tensor; FusedLamb's arguments and defaults.
 
     ``max_grad_norm`` must stay 0: FusedLamb clips only with gradient norms passed to its ``step``, which
     DeepSpeed never does (it clips by ``gradient_clipping`` before the step), so it would fail at once.
@@ -77,6 +96,42 @@ class Lamb(torch.optim.Optimizer):
         self.register_load_state_dict_pre_hook(_from_timm_lamb)
         self.eps_inside_sqrt = eps_inside_sqrt
         self.lamb_coeffs: list[float] = []
+        # set_fragments: id(flat parameter) -> (the parameter, its fragments by start)
+        self._fragments: dict[int, tuple[torch.Tensor, list[Fragment]]] | None = None
+        self._num_tensors = 0
+        self._reduce_over: Any = None  # the process group whose ranks split tensors between them
+
+    def set_fragments(
+        self,
+        fragments: Iterable[tuple[torch.Tensor, Sequence[Fragment]]],
+        num_tensors: int,
+        process_group: Any = None,
+    ) -> None:
+        """Step flat parameters per model tensor: each of this optimizer's parameters comes with the
+        fragments of the ``num_tensors`` model tensors it holds (tensor numbers agree across ranks). With
+        ``process_group`` of more than one rank, a tensor's fragments may lie on several of its ranks: every
+        step call all-reduces the per-tensor sums over it, so every rank must call ``step`` equally often
+        (DeepSpeed does: once per parameter group). Elements outside every fragment are padding: not stepped.
+        """
+        own = {id(p) for group in self.param_groups for p in group["params"]}
+        table = {}
+        for param, frags in fragments:
+            if id(param) not in own:
+                raise ValueError("Lamb.set_fragments got a tensor that is not one of the optimizer's")
+            if not param.is_contiguous():
+                raise ValueError("Lamb.set_fragments needs contiguous flat parameters")
+            frags = sorted(frags, key=lambda f: f.start)
+            end = 0
+            for frag in frags:
+                if not 0 <= frag.tensor < num_tensors or frag.length <= 0 or frag.start < end:
+                    raise ValueError(f"Lamb {frag} overlaps another or names no tensor of {num_tensors}")
+                end = frag.start + frag.length
+            if end > param.numel():
+                raise ValueError(f"a Lamb fragment ends at {end}, past its parameter's {param.numel()}")
+            table[id(param)] = (param, frags)
+        self._fragments, self._num_tensors = table, num_tensors
+        split = process_group is not None and dist.get_world_size(process_group) > 1
+        self._reduce_over = process_group if split else None
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -84,22 +139,83 @@ class Lamb(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.lamb_coeffs = []  # FusedLamb keeps the last step's coefficients only
         for group in self.param_groups:
             if group["max_grad_norm"] > 0:
                 raise ValueError(
                     f"a Lamb group has max_grad_norm={group['max_grad_norm']}; it must be 0 (see Lamb)"
                 )
-            for param in group["params"]:
-                if param.grad is not None:
-                    self.lamb_coeffs.append(self._step_tensor(param, group))
+        stepped = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if self._fragments is None:  # every parameter is a tensor of its own: one at a time, no traffic
+            self.lamb_coeffs = []  # FusedLamb keeps the last step's coefficients only
+            for param, group in stepped:
+                whole = [Fragment(0, 0, param.numel())]
+                self.lamb_coeffs += self._step_fragments([(param, group, whole)], 1)
+            return loss
+        items = []
+        for param, group in stepped:
+            if id(param) not in self._fragments:
+                raise RuntimeError(
+                    "Lamb has fragments for flat parameters, but not for one it is asked to step: the "
+                    "optimizer's parameters were replaced after attach_zero_partitions; call it again"
+                )
+            items.append((param, group, self._fragments[id(param)][1]))
+        self.lamb_coeffs = self._step_fragments(items, self._num_tensors, self._reduce_over)
         return loss
 
     def get_lamb_coeffs(self) -> list[float]:
-        """The trust ratios of the last step, one per tensor stepped (FusedLamb's method)."""
+        """The trust ratios of the last step: one per tensor stepped, in order (FusedLamb's method; there
+        one per parameter, which is one per flat partition under ZeRO)."""
         return list(self.lamb_coeffs)
 
-    def _step_tensor(self, param: torch.Tensor, group: dict[str, Any]) -> float:
+    def _step_fragments(
+        self,
+        items: list[tuple[torch.Tensor, dict[str, Any], list[Fragment]]],
+        num_tensors: int,
+        reduce_over: Any = None,
+    ) -> list[float]:
+        """One step of ``items`` (parameter, group, fragments): moments and updates, the per-tensor sums of
+        squares (all-reduced over ``reduce_over``, the ranks that hold the fragments of a tensor between
+        them), each fragment moved with its tensor's trust ratio. Returns the ratios of the tensors here."""
+        device = (items[0][0] if items else self.param_groups[0]["params"][0]).device
+        # rows: squared norms of w and of u per tensor; float64 so that fragments add up exactly enough
+        sums = torch.zeros(2, num_tensors, dtype=torch.float64, device=device)
+        high = torch.full((num_tensors,), float("inf"), dtype=torch.float64, device=device)
+        low = torch.zeros(num_tensors, dtype=torch.float64, device=device)
+        updates = []
+        for param, group, frags in items:
+            update = self._update(param, group)
+            updates.append(update)
+            if not frags:  # only padding of this rank's partition: nothing to measure, nothing to move
+                continue
+            weights, parts = _pieces(param, frags), _pieces(update, frags)
+            norms = torch.stack(torch._foreach_norm(weights + parts)).double().square_()
+            index = torch.tensor([f.tensor for f in frags], device=device)
+            sums.index_add_(1, index, norms.view(2, len(frags)))
+            high.index_fill_(0, index, group["max_coeff"])
+            low.index_fill_(0, index, group["min_coeff"])
+        if reduce_over is not None:
+            dist.all_reduce(sums, group=reduce_over)
+        weight_norm, update_norm = sums.sqrt_().unbind(0)
+        # clipped as the kernel does: to max_coeff first, then to min_coeff; a NaN ratio stays NaN
+        ratio = weight_norm / update_norm
+        ratio = torch.where(ratio > high, high, ratio)
+        ratio = torch.where(ratio < low, low, ratio)
+        ratio = torch.where((weight_norm != 0) & (update_norm != 0), ratio, torch.ones_like(ratio))
+        ratios = ratio.tolist()  # one transfer per step call; the steps below take Python scalars
+        stepped = sorted({f.tensor for _, _, frags in items for f in frags})
+        for (param, group, frags), update in zip(items, updates):
+            step_size = group["lr"]
+            if group["bias_correction"]:
+                beta1, beta2 = group["betas"]
+                step = self.state[param]["step"]
+                step_size *= (1.0 - beta2**step) ** 0.5 / (1.0 - beta1**step)
+            # padding (elements outside every fragment) is never moved
+            for weight, part, frag in zip(_pieces(param, frags), _pieces(update, frags), frags):
+                weight.add_(part, alpha=-step_size * ratios[frag.tensor])
+        return [ratios[t] for t in stepped]
+
+    def _update(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """Advance the moments of ``param`` by its gradient; return ``u`` (a new tensor)."""
         grad = param.grad
         if grad.is_sparse:
             raise RuntimeError("Lamb does not support sparse gradients")
@@ -124,24 +240,54 @@ class Lamb(torch.optim.Optimizer):
         torch.div(exp_avg, update, out=update)
         if group["weight_decay"]:
             update.add_(param, alpha=group["weight_decay"])
+        return update
 
-        # clipped as the kernel does: to max_coeff first, then to min_coeff; a NaN ratio stays NaN
-        weight_norm = torch.linalg.vector_norm(param).item()
-        update_norm = torch.linalg.vector_norm(update).item()
-        coeff = 1.0
-        if weight_norm != 0.0 and update_norm != 0.0:
-            coeff = weight_norm / update_norm
-            if coeff > group["max_coeff"]:
-                coeff = group["max_coeff"]
-            if coeff < group["min_coeff"]:
-                coeff = group["min_coeff"]
 
-        step_size = group["lr"]
-        if group["bias_correction"]:
-            step = state["step"]
-            step_size *= (1.0 - beta2**step) ** 0.5 / (1.0 - beta1**step)
-        param.add_(update, alpha=-step_size * coeff)
-        return coeff
+def _pieces(tensor: torch.Tensor, frags: list[Fragment]) -> list[torch.Tensor]:
+    """The fragments' views of ``tensor`` (the tensor itself where one fragment is all of it)."""
+    if len(frags) == 1 and frags[0].start == 0 and frags[0].length == tensor.numel():
+        return [tensor]
+    flat = tensor.view(-1)
+    return [flat.narrow(0, f.start, f.length) for f in frags]
+
+
+def attach_zero_partitions(optimizer: Lamb, tensors: Sequence[torch.Tensor]) -> bool:
+    """After ``deepspeed.initialize``: tell ``optimizer`` which fragments of the model's ``tensors`` (its
+    parameters in the order it was built with, the same on every rank) each flat ZeRO partition holds.
+
+    DeepSpeed records them for its universal checkpoints: ZeRO-1/2 and its BF16_Optimizer give every
+    trainable tensor ``_hp_mapping``, the address of its fragment in this rank's fp32 partition (None where
+    all of it lies on other ranks), and ``_dp_group``. Returns False where DeepSpeed kept whole tensors
+    (ZeRO-0, fp32 or fp16/bf16 masters): each is its own tensor already.
+    """
+    inner = [p for group in optimizer.param_groups for p in group["params"]]
+    zero = [(t, p) for t, p in enumerate(tensors) if hasattr(p, "_hp_mapping")]
+    if not zero:
+        trainable = [tuple(p.shape) for p in tensors if p.requires_grad]
+        if [tuple(p.shape) for p in inner] != trainable:
+            raise RuntimeError(
+                "the optimizer's parameters are neither the model's tensors nor ZeRO partitions with "
+                "DeepSpeed's fragment addresses: the per-tensor trust ratio cannot be placed; use "
+                'optim.lamb_trust_ratio="per_zero_partition" with this DeepSpeed configuration'
+            )
+        return False
+    holders = {p.untyped_storage().data_ptr(): p for p in inner}
+    fragments: dict[int, list[Fragment]] = {id(p): [] for p in inner}
+    groups = {id(p._dp_group): p._dp_group for _, p in zero}
+    if len(groups) != 1:
+        raise RuntimeError("per-tensor LAMB needs one data-parallel group for all parameters (no MoE)")
+    for t, param in zero:
+        mapping = param._hp_mapping
+        if mapping is None:  # all of it on other ranks
+            continue
+        holder = holders.get(mapping.hp_fragment.untyped_storage().data_ptr())
+        address = mapping.hp_fragment_address
+        if holder is None or mapping.hp_fragment.storage_offset() - holder.storage_offset() != address.start:
+            raise RuntimeError("a ZeRO fragment address points outside the optimizer's flat partitions")
+        fragments[id(holder)].append(Fragment(t, address.start, address.numel))
+    (group,) = groups.values()
+    optimizer.set_fragments([(p, fragments[id(p)]) for p in inner], len(tensors), process_group=group)
+    return True
 
 
 #: Group keys of timm's Lamb (what eva_fastclip used on CPU before this class) that FusedLamb has not.

@@ -147,13 +147,16 @@ def build_optimizer(
     cuda: bool,
     temperature_lr: float | None = None,
 ) -> torch.optim.Optimizer:
-    """LAMB / AdamW over our parameter groups: DeepSpeed's fused kernels on CUDA, the same updates on CPU.
+    """LAMB / AdamW over our parameter groups, the same updates on CUDA and CPU.
 
     ``ds`` is the resolved DeepSpeed JSON: its lr is the optimizer's default, while each group carries its
     own peak lr and weight decay from ``optim`` (per tower, per layer), which the schedule multiplies.
-    LAMB is DeepSpeed's FusedLamb on CUDA and our ``Lamb`` (the same update in PyTorch ops) elsewhere; a
-    group with ``trust_ratio`` False (the temperature, unless ``optim.temperature_trust_ratio``) gets the
-    trust-ratio bounds max_coeff = min_coeff = 1, which both read per group: an Adam step.
+    LAMB is our ``Lamb`` (FusedLamb's update in PyTorch ops, trust ratio per model tensor once
+    :func:`initialize_engine` has attached the ZeRO partitions); with ``optim.lamb_trust_ratio =
+    "per_zero_partition"`` it is DeepSpeed's FusedLamb on CUDA, and our ``Lamb`` left per flat partition
+    elsewhere. A group with ``trust_ratio`` False (the temperature, unless ``optim.temperature_trust_ratio``)
+    gets the trust-ratio bounds max_coeff = min_coeff = 1, which both read per group: an Adam step.
+    AdamW is DeepSpeed's FusedAdam on CUDA and PyTorch's fused AdamW elsewhere.
     """
     kind = ds["optimizer"]["type"]
     params = dict(ds["optimizer"]["params"])
@@ -178,7 +181,7 @@ def build_optimizer(
         if not group.pop("trust_ratio", True) and kind == "Lamb":
             group.update(max_coeff=1.0, min_coeff=1.0)
     if kind == "Lamb":
-        if cuda:
+        if cuda and optim.lamb_trust_ratio == "per_zero_partition":
             from deepspeed.ops.lamb import FusedLamb as Lamb
         else:
             from eva_fastclip.engine.lamb import Lamb
@@ -281,14 +284,48 @@ def initialize_engine(
     total_steps: int,
     temperature_lr: float | None = None,
 ):
-    """``deepspeed.initialize`` with our optimizer and schedule; returns the engine."""
+    """``deepspeed.initialize`` with our optimizer and schedule; returns the engine.
+
+    Per-tensor LAMB learns here which fragments of which tensors DeepSpeed's flat ZeRO partitions hold
+    (engine/lamb.py). They depend only on this engine's layout, which a checkpoint load keeps, so a run
+    resumed on another number of ranks gets its own from its own engine.
+    """
     import deepspeed
+
+    from eva_fastclip.engine.lamb import Lamb, attach_zero_partitions
 
     cuda = torch.cuda.is_available()
     optimizer = build_optimizer(ds, model, cfg.optim, cuda=cuda, temperature_lr=temperature_lr)
+    tensors = [p for group in optimizer.param_groups for p in group["params"]]  # before ZeRO flattens them
     scheduler = build_scheduler(optimizer, cfg, total_steps)
     engine_config = {k: v for k, v in ds.items() if k != "optimizer"}
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=engine_config
     )
+    _undo_warm_up_step(engine)
+    if isinstance(optimizer, Lamb) and cfg.optim.lamb_trust_ratio == "per_tensor":
+        attach_zero_partitions(optimizer, tensors)
     return engine
+
+
+def _undo_warm_up_step(engine) -> None:
+    """DeepSpeed's fp16 / bf16 optimizers without ZeRO (FP16_UnfusedOptimizer, FP16_Optimizer) call the
+    optimizer once at initialize with all-zero gradients, to allocate its state. That is a real step: the
+    weight decay moves the fp32 masters (LAMB: by lr x max_coeff x weight decay x |w|) and every step count
+    starts at 1. Put the masters back to the module's weights, from which DeepSpeed had just copied them,
+    and drop that state, so the first step is the first step, as under ZeRO-1/2 and in fp32."""
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    wrapper = engine.optimizer
+    with torch.no_grad():
+        if isinstance(wrapper, FP16_UnfusedOptimizer):
+            for low_group, master_group in zip(wrapper.fp16_groups, wrapper.fp32_groups, strict=True):
+                for low, master in zip(low_group, master_group, strict=True):
+                    master.copy_(low)
+        elif isinstance(wrapper, FP16_Optimizer):
+            for low_flat, master in zip(wrapper.fp16_groups_flat, wrapper.fp32_groups_flat, strict=True):
+                master.copy_(low_flat)
+        else:
+            return
+    engine.basic_optimizer.state.clear()

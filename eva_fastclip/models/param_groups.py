@@ -5,9 +5,9 @@ layer i + 1 and everything after the blocks (final norm, pooling, projection) is
 at layer l gets ``tower_lr * layer_decay ** (L + 1 - l)``: the head trains at the tower's lr, the
 embeddings at the most decayed one. Weight decay applies to weight matrices only (``decays``).
 
-There is one group per (tower, layer, decay or not), not one per lr value: under ZeRO-1 DeepSpeed flattens
-each group and LAMB's trust ratio is computed per flattened partition, so per-layer groups keep the ratio
-close to LAMB's per-layer one.
+There is one group per (tower, layer, decay or not), not one per lr value, as in EVA-CLIP: under ZeRO
+DeepSpeed flattens each group, and with ``optim.lamb_trust_ratio: per_zero_partition`` (FusedLamb's rule)
+LAMB's trust ratio is taken per flattened partition, which per-layer groups keep close to per layer.
 """
 
 from __future__ import annotations

@@ -1,0 +1,184 @@
+"""`eva-fastclip bench-lamb`: the time of one LAMB optimizer step, trust ratio per model tensor (ours,
+engine/lamb.py) against per flat ZeRO partition (DeepSpeed's rule, eva_fastclip's before), and DeepSpeed's
+FusedLamb (per partition, its CUDA kernel) where CUDA is present.
+
+The parameters have a ViT-B/16 vision tower's shapes (86M by default), grouped as EVA-CLIP groups them (one
+group per layer and decay or not, engine/setup.py) and flattened as ZeRO-1 lays a group out on one rank:
+one fp32 buffer per group, tensors back to back, padded to an even length, stepped one group per call as
+DeepSpeed steps them. Every contestant steps its own
+copy of the same buffers with the same gradients, and the rounds alternate the contestants, so that the
+machine's drift (other jobs, turbo) reaches them alike; the report gives each one's fastest and median
+step and the ratios to the per-partition step. On K ranks the per-tensor rule adds one all-reduce of
+2 x (tensors) float64 values per group call (kilobytes), which one rank does not have.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eva_fastclip.engine.lamb import Fragment, Lamb
+
+PER_PARTITION, PER_TENSOR, FUSED = "per_zero_partition", "per_tensor", "fused_lamb"
+
+
+def vit_tensors(width: int = 768, layers: int = 12, patch: int = 16, image: int = 224) -> list[dict]:
+    """The trainable tensors of a ViT vision tower (timm / open_clip layout, MLP ratio 4) with the group
+    EVA-CLIP's parameter groups put each in: ``layer`` (0: embeddings, L + 1: the head) and ``decay``."""
+    tokens = (image // patch) ** 2 + 1
+    tensors = [
+        ("patch_embed.weight", (width, 3, patch, patch), 0, True),
+        ("cls_token", (1, 1, width), 0, False),
+        ("pos_embed", (1, tokens, width), 0, False),
+    ]
+    for i in range(layers):
+        block = [
+            ("norm1.weight", (width,), False),
+            ("norm1.bias", (width,), False),
+            ("attn.qkv.weight", (3 * width, width), True),
+            ("attn.qkv.bias", (3 * width,), False),
+            ("attn.proj.weight", (width, width), True),
+            ("attn.proj.bias", (width,), False),
+            ("norm2.weight", (width,), False),
+            ("norm2.bias", (width,), False),
+            ("mlp.fc1.weight", (4 * width, width), True),
+            ("mlp.fc1.bias", (4 * width,), False),
+            ("mlp.fc2.weight", (width, 4 * width), True),
+            ("mlp.fc2.bias", (width,), False),
+        ]
+        tensors += [(f"blocks.{i}.{name}", shape, i + 1, decay) for name, shape, decay in block]
+    tensors += [("norm.weight", (width,), layers + 1, False), ("norm.bias", (width,), layers + 1, False)]
+    tensors.append(("head.weight", (512, width), layers + 1, True))
+    return [{"name": n, "shape": s, "layer": layer, "decay": d} for n, s, layer, d in tensors]
+
+
+def flat_groups(tensors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One flat buffer per (layer, decay) group as ZeRO-1 makes it on one rank: its size and the fragment
+    of every tensor in it (tensor numbers index ``tensors``)."""
+    groups: dict[tuple[int, bool], dict[str, Any]] = {}
+    for index, tensor in enumerate(tensors):
+        group = groups.setdefault((tensor["layer"], tensor["decay"]), {"fragments": [], "size": 0})
+        numel = 1
+        for n in tensor["shape"]:
+            numel *= n
+        group["fragments"].append(Fragment(index, group["size"], numel))
+        group["size"] += numel
+    for (_, decay), group in groups.items():
+        group["size"] += group["size"] % 2  # DeepSpeed aligns each flat group to an even length
+        group["weight_decay"] = 0.05 if decay else 0.0
+    return list(groups.values())
+
+
+def run_lamb_benchmark(
+    width: int = 768,
+    layers: int = 12,
+    rounds: int = 5,
+    device: str | None = None,
+    output: str | Path | None = None,
+) -> dict[str, Any]:
+    """Time ``rounds`` steps of every contestant (after one untimed step each) and write the results."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tensors = vit_tensors(width, layers)
+    groups = flat_groups(tensors)
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(group["size"], generator=g).mul_(0.02).to(device) for group in groups]
+    grads = [torch.randn(group["size"], generator=g).mul_(1e-3).to(device) for group in groups]
+    names = [PER_PARTITION, PER_TENSOR] + ([FUSED] if device.type == "cuda" else [])
+    contestants = {name: _contestant(name, weights, grads, groups, len(tensors)) for name in names}
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(rounds + 1):
+        for name in names if round_ % 2 == 0 else reversed(names):
+            seconds = _timed_step(contestants[name], device)
+            if round_ > 0:  # the first step allocates the moments
+                times[name].append(seconds)
+    baseline = min(times[PER_PARTITION])
+    results = {
+        "what": "one LAMB optimizer step over a ViT's flat ZeRO-1 groups on one rank",
+        "params": sum(group["size"] for group in groups),
+        "tensors": len(tensors),
+        "groups": len(groups),
+        "width": width,
+        "layers": layers,
+        "rounds": rounds,
+        "device": _device_name(device),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "date": date.today().isoformat(),
+        "contestants": {
+            name: {
+                "step_times_s": times[name],
+                "fastest_s": min(times[name]),
+                "median_s": statistics.median(times[name]),
+                "fastest_vs_per_zero_partition": min(times[name]) / baseline,
+            }
+            for name in names
+        },
+    }
+    if output is not None:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(json.dumps(results, indent=2))
+        results["output"] = str(output)
+    return results
+
+
+def format_lamb_report(results: dict[str, Any]) -> str:
+    lines = [
+        f"{results['what']}: {results['params'] / 1e6:.1f}M parameters, {results['tensors']} tensors, "
+        f"{results['groups']} groups; {results['device']}, {results['threads']} threads, torch "
+        f"{results['torch']}, {results['date']}",
+        f"{'trust ratio':<20} {'fastest s':>10} {'median s':>10} {'fastest / per partition':>24}",
+    ]
+    for name, r in results["contestants"].items():
+        ratio = r["fastest_vs_per_zero_partition"]
+        lines.append(f"{name:<20} {r['fastest_s']:>10.4f} {r['median_s']:>10.4f} {ratio:>24.3f}")
+    return "\n".join(lines)
+
+
+def _contestant(name, weights, grads, groups, num_tensors) -> torch.optim.Optimizer:
+    params = [torch.nn.Parameter(w.clone()) for w in weights]
+    for param, grad in zip(params, grads):
+        param.grad = grad  # shared by every contestant: read only
+    settings = [{"params": [p], "weight_decay": group["weight_decay"]} for p, group in zip(params, groups)]
+    if name == FUSED:
+        from deepspeed.ops.lamb import FusedLamb
+
+        return FusedLamb(settings, lr=1e-3, betas=(0.9, 0.98), eps=1e-6)
+    optimizer = Lamb(settings, lr=1e-3, betas=(0.9, 0.98), eps=1e-6)
+    if name == PER_TENSOR:
+        optimizer.set_fragments([(p, group["fragments"]) for p, group in zip(params, groups)], num_tensors)
+    return optimizer
+
+
+def _timed_step(optimizer: torch.optim.Optimizer, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    groups = optimizer.param_groups
+    try:  # one call per group, as DeepSpeed's ZeRO-1/2 step their inner optimizer
+        for group in groups:
+            optimizer.param_groups = [group]
+            optimizer.step()
+    finally:
+        optimizer.param_groups = groups
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "CPU"

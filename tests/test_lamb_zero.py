@@ -1,0 +1,250 @@
+"""LAMB's trust ratio is per model tensor whatever ZeRO does: ZeRO-0, 1 and 2 on 1 and 2 ranks, fp32 and bf16
+masters, take the same 3 steps as a float64 per-tensor LAMB (test_lamb.kernel_step, FusedLamb's kernel).
+
+Every configuration sees the same global gradient: the loss is linear in the weights, sum(w * G) with a
+fixed G per step that bf16 holds exactly, so the gradient is G on every rank and in every precision, and
+only the optimizer can make the runs differ. The 2-rank configurations share one launch.
+"""
+
+import math
+import os
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from test_lamb import LAMB_JSON, kernel_step
+from torch import nn
+
+from eva_fastclip.config import load_config
+from eva_fastclip.engine.setup import build_optimizer, build_scheduler, initialize_engine
+
+STEPS = 3
+RTOL = 1e-6
+#: name -> (ZeRO stage, precision, extra DeepSpeed settings)
+CONFIGS = {
+    "zero0-fp32": (0, "fp32", {}),
+    "zero1-fp32": (1, "fp32", {}),
+    "zero2-fp32": (2, "fp32", {}),
+    "zero0-bf16": (0, "bf16", {}),  # DeepSpeed's FP16_UnfusedOptimizer: fp32 copies of whole tensors
+    "zero1-bf16": (1, "bf16", {}),
+    "zero2-bf16": (2, "bf16", {}),
+    # fp32 gradient accumulation: DeepSpeed's BF16_Optimizer, flat partitions of its own
+    "zero1-bf16-fp32-grads": (1, "bf16", {"data_types": {"grad_accum_dtype": "fp32"}}),
+}
+ONE_RANK = ("zero0-fp32", "zero1-fp32", "zero0-bf16", "zero1-bf16", "zero1-bf16-fp32-grads")
+TWO_RANKS = ("zero1-fp32", "zero2-fp32", "zero1-bf16", "zero2-bf16", "zero1-bf16-fp32-grads")
+
+
+class LinearLoss(nn.Module):
+    """A decayed group with a tensor that 2 ranks split (proj.weight), a no-decay group with an all-zero
+    tensor (norm.bias: ||w|| = 0, r = 1) and the temperature alone in its group (bounds 1: r = 1).
+    Its weights are bf16 values, so that bf16 runs start from the same ones."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        self.proj = nn.Linear(7, 5)
+        self.norm = nn.LayerNorm(5)
+        self.head = nn.Linear(5, 3)
+        self.logit_scale = nn.Parameter(torch.tensor([math.log(1 / 0.07)]))
+        with torch.no_grad():
+            for p in (self.proj.weight, self.proj.bias, self.head.weight, self.head.bias):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            for p in self.parameters():  # bf16 masters start from the bf16 module: the same values
+                p.copy_(p.bfloat16())
+
+    def forward(self, grads):
+        return sum((p * g).sum() for p, g in zip(self.parameters(), grads))
+
+
+def gradients(step: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    shapes = [p.shape for p in LinearLoss().parameters()]
+    return [torch.randn(s, generator=g).bfloat16().float() for s in shapes]  # exact in bf16 too
+
+
+def experiment(trust_ratio: str = "per_tensor"):
+    return load_config(
+        None,
+        [
+            "optim.lr=0.01",
+            "optim.weight_decay=0.1",
+            "optim.warmup_steps=0",
+            f"optim.lamb_trust_ratio={trust_ratio}",
+        ],
+    )
+
+
+def deepspeed_json(name: str, world: int) -> dict:
+    import json
+
+    stage, precision, extra = CONFIGS[name]
+    ds = json.loads(LAMB_JSON.read_text())
+    ds["optimizer"]["params"].update(lr=0.01, weight_decay=0.1)
+    ds.update(gradient_clipping=0.0, train_batch_size=world, train_micro_batch_size_per_gpu=1)
+    ds.update(gradient_accumulation_steps=1, bf16={"enabled": precision == "bf16"}, **extra)
+    ds["zero_optimization"] = {**ds["zero_optimization"], "stage": stage}
+    return ds
+
+
+def full_state(engine) -> dict[str, tuple[torch.Tensor, ...]]:
+    """name -> (fp32 master weight, exp_avg, exp_avg_sq, the module's weight), whole, in float64."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    masters = {}
+    if isinstance(engine.optimizer, FP16_UnfusedOptimizer):
+        for low, high in zip(engine.optimizer.fp16_groups, engine.optimizer.fp32_groups):
+            masters.update(zip(map(id, low), high))
+    out = {}
+    for name, p in engine.module.named_parameters():
+        if hasattr(p, "_hp_mapping"):
+            w, m, v = (gather_fragments(engine, p, key) for key in (None, "exp_avg", "exp_avg_sq"))
+        else:
+            master = masters.get(id(p), p)
+            state = engine.basic_optimizer.state[master]
+            w, m, v = master, state["exp_avg"], state["exp_avg_sq"]
+        out[name] = tuple(x.detach().double().clone().view(p.shape) for x in (w, m, v, p))
+    return out
+
+
+def gather_fragments(engine, p: torch.Tensor, key: str | None) -> torch.Tensor:
+    """The whole of ZeRO tensor ``p``'s master (``key`` None) or optimizer state, from every rank's flat
+    partition at the addresses DeepSpeed records (its own ``safe_get_full_optimizer_state`` finds the state
+    of the first parameter group only: it links the others before they have any)."""
+    import torch.distributed as dist
+
+    full = torch.zeros(p.numel())
+    mapping = p._hp_mapping
+    if mapping is not None:
+        holder = engine.basic_optimizer.param_groups[mapping.param_group_index]["params"][0]
+        source = holder if key is None else engine.basic_optimizer.state[holder][key]
+        hp, lp = mapping.hp_fragment_address, mapping.lp_fragment_address
+        full.narrow(0, lp.start, lp.numel).copy_(source.detach().narrow(0, hp.start, hp.numel))
+    dist.all_reduce(full, group=p._dp_group)
+    return full
+
+
+def run(name: str, world: int, checkpoint_dir: str | None = None, trust_ratio: str = "per_tensor"):
+    """STEPS engine steps of configuration ``name``; the full state after each. With ``checkpoint_dir``,
+    the engine saves after step 2 and loads it back before step 3 (the fragments must survive a load)."""
+    model = LinearLoss()
+    ds = deepspeed_json(name, world)
+    engine = initialize_engine(model, experiment(trust_ratio), ds, total_steps=10)
+    dtype = torch.bfloat16 if CONFIGS[name][1] == "bf16" else torch.float32
+    states = []
+    for step in range(1, STEPS + 1):
+        if checkpoint_dir is not None and step == STEPS:
+            engine.save_checkpoint(checkpoint_dir, tag="two")
+            engine.load_checkpoint(checkpoint_dir, tag="two")
+        engine.backward(engine([g.to(dtype) for g in gradients(step)]))
+        engine.step()
+        states.append(full_state(engine))
+    split = any(
+        p._hp_mapping is not None and p._hp_mapping.lp_fragment_address.numel < p.numel()
+        for p in model.parameters()
+        if hasattr(p, "_hp_mapping")
+    )
+    return {"states": states, "split": split}
+
+
+def reference() -> list[dict[str, tuple[torch.Tensor, ...]]]:
+    """Per-tensor LAMB in float64 over the groups and schedule build_optimizer gives, without DeepSpeed."""
+    model = LinearLoss()
+    cfg = experiment()
+    optimizer = build_optimizer(deepspeed_json("zero0-fp32", 1), model, cfg.optim, cuda=False)
+    scheduler = build_scheduler(optimizer, cfg, total_steps=10)
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {n: (p.detach().double(), torch.zeros_like(p.double()), torch.zeros_like(p.double()))
+             for n, p in model.named_parameters()}  # fmt: skip
+    states = []
+    for step in range(1, STEPS + 1):
+        grads = dict(zip([n for n, _ in model.named_parameters()], gradients(step)))
+        for group in optimizer.param_groups:
+            settings = {k: group[k] for k in ("lr", "weight_decay", "max_coeff", "min_coeff")}
+            for p in group["params"]:
+                name = names[id(p)]
+                w, m, v = state[name]
+                w, m, v, _ = kernel_step(w, grads[name], m, v, step, **settings)
+                state[name] = (w, m, v)
+        with warnings.catch_warnings():  # it warns that no optimizer.step() came first: none ever comes
+            warnings.simplefilter("ignore")
+            scheduler.step()
+        states.append(dict(state))
+    return states
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+def assert_per_tensor(result, expected, label: str, bf16: bool) -> None:
+    for step, (got, want) in enumerate(zip(result["states"], expected), start=1):
+        for name, (w, m, v) in want.items():
+            master, exp_avg, exp_avg_sq, module = got[name]
+            for what, a, b in (("weight", master, w), ("exp_avg", exp_avg, m), ("exp_avg_sq", exp_avg_sq, v)):
+                error = relative_error(a, b)
+                assert error <= RTOL, f"{label} step {step} {name} {what}: relative error {error:.2e}"
+            # the module holds the masters (rounded to bf16 where it runs in bf16)
+            rounded = master.to(torch.bfloat16 if bf16 else torch.float32).double()
+            assert torch.equal(module, rounded), f"{label} step {step} {name}: module weight not the master's"
+
+
+def _two_ranks(rank: int, port: int, out_dir: str) -> None:
+    from eva_fastclip.engine.trainer import init_process_group
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="2",
+    )
+    init_process_group()
+    results = {name: run(name, 2) for name in TWO_RANKS}
+    results["zero1-fp32-resumed"] = run("zero1-fp32", 2, checkpoint_dir=os.path.join(out_dir, "ckpt"))
+    results["zero1-fp32-per-partition"] = run("zero1-fp32", 2, trust_ratio="per_zero_partition")
+    if rank == 0:
+        torch.save(results, os.path.join(out_dir, "results.pt"))
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("lamb_zero")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.spawn(_two_ranks, args=(port, str(out_dir)), nprocs=2, join=True)
+    return torch.load(out_dir / "results.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return reference()
+
+
+@pytest.mark.parametrize("name", ONE_RANK)
+def test_one_rank_steps_are_per_tensor(name, expected):
+    from eva_fastclip.engine.trainer import init_process_group
+
+    init_process_group()
+    result = run(name, 1)
+    assert_per_tensor(result, expected, f"{name} on 1 rank", bf16=CONFIGS[name][1] == "bf16")
+
+
+def test_two_ranks_take_the_same_steps_as_one(two_rank_results, expected):
+    for name in TWO_RANKS:
+        result = two_rank_results[name]
+        assert result["split"], f"{name}: no tensor is split between the ranks; the test would prove nothing"
+        assert_per_tensor(result, expected, f"{name} on 2 ranks", bf16=CONFIGS[name][1] == "bf16")
+    resumed = two_rank_results["zero1-fp32-resumed"]
+    assert_per_tensor(resumed, expected, "zero1-fp32 on 2 ranks, saved and loaded", bf16=False)
+
+
+def test_per_zero_partition_keeps_deepspeeds_rule(two_rank_results, expected):
+    """The option named for DeepSpeed's behaviour does differ: ratios of flat partitions, not tensors."""
+    last = two_rank_results["zero1-fp32-per-partition"]["states"][-1]
+    errors = {name: relative_error(last[name][0], w) for name, (w, _, _) in expected[-1].items()}
+    assert max(errors.values()) > 1e-3, errors
