@@ -5,4 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -f data/toy/train/manifest.json ] || eva-fastclip toy-data --output data/toy
-exec deepspeed --num_gpus "${NUM_RANKS:-2}" --module eva_fastclip train --config configs/toy.json "$@"
+# --resume latest: run again, the demo goes on from its last checkpoint (a finished run only evaluates)
+# instead of stopping at the earlier run's checkpoints; `make clean` starts it over
+exec deepspeed --num_gpus "${NUM_RANKS:-2}" --module eva_fastclip train --config configs/toy.json \
+    --resume latest "$@"

@@ -167,3 +167,31 @@ def test_atomic_json_leaves_no_temporary(tmp_path):
     checkpoint.write_json_atomic(target, {"a": 2})
     assert json.loads(target.read_text()) == {"a": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["marker.json"]
+
+
+def test_the_settings_a_checkpoint_was_trained_with(tmp_path):
+    """A resumed run compares its config with these: from the marker; for a checkpoint saved before the
+    marker held them, from our client state and DeepSpeed's copy of its JSON in the model states."""
+    import torch
+
+    config = {"optim": {"lr": 0.001}, "model": {"name": "toy-vit-t"}}
+    root = tmp_path / "checkpoints"
+    deepspeed = {"optimizer": {"type": "Lamb", "params": {}}, "gradient_clipping": 1.0}
+    marked = checkpoint.save_checkpoint(
+        FakeEngine(), root, 1, {}, keep=3, marker={"config": config, "deepspeed": deepspeed}
+    )
+    assert checkpoint.saved_settings(marked) == {"config": config, "deepspeed": deepspeed}
+
+    class OlderEngine(FakeEngine):
+        def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+            folder = checkpoint.Path(save_dir) / tag
+            folder.mkdir(parents=True)
+            ds_config = {"zero_optimization": {"stage": 2}, "gradient_clipping": 0.5}
+            torch.save(
+                {"module": {}, "config": config, "ds_config": ds_config},
+                folder / "mp_rank_00_model_states.pt",
+            )
+
+    older = checkpoint.save_checkpoint(OlderEngine(), root, 2, {}, keep=3)
+    want = {"zero_optimization": {"stage": 2}, "gradient_clipping": 0.5}
+    assert checkpoint.saved_settings(older) == {"config": config, "deepspeed": want}

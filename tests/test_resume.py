@@ -8,8 +8,10 @@ resume; and the step-3 checkpoints of those killed runs resumed on the other num
 """
 
 import json
+import logging
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -23,9 +25,10 @@ import pytest
 import torch
 from torchvision import transforms
 
+from eva_fastclip.cli import main
 from eva_fastclip.config import ConfigError, load_config
 from eva_fastclip.data import TrainLoader, write_shard, write_toy_dataset
-from eva_fastclip.engine import checkpoint
+from eva_fastclip.engine import checkpoint, resume_config
 from eva_fastclip.engine.setup import WarmupCosine, load_deepspeed_config, warmup_cosine
 from eva_fastclip.engine.trainer import Trainer
 from eva_fastclip.export import consolidated_state_dict
@@ -208,22 +211,209 @@ def test_another_rank_count_that_cannot_keep_the_global_batch_stops_before_step_
         Trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), resume="latest", loader=SixBatches())
 
 
-def test_a_rerun_saves_its_own_final_checkpoint_over_an_earlier_runs(tmp_path):
-    """The same output_dir, a second fresh run (another seed) of the same length: its final checkpoint and
-    step log are its own, not the first run's."""
-    weights, logs = [], []
-    for seed in (0, 1):
-        cfg = tiny_config(tmp_path, ["train.steps=2", f"train.seed={seed}"])
-        trainer = Trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=SixBatches())
-        trainer.train()
-        weights.append(
-            consolidated_state_dict(tmp_path / "checkpoints" / "step_00000002")["visual.conv1.weight"]
-        )
-        assert torch.equal(weights[-1], trainer.engine.module.visual.conv1.weight)
-        logs.append(step_log(tmp_path))
-    assert not torch.equal(weights[0], weights[1])
-    assert [r["step"] for r in logs[1]] == [1, 2] and logs[1] != logs[0]
-    assert checkpoint.resolve_resume("latest", tmp_path / "checkpoints").name == "step_00000002"
+# ---- what a resumed run may change ------------------------------------------------------------------
+
+SIX_STEPS = ["train.steps=6", "train.save_every_steps=3", "optim.warmup_steps=2", "optim.min_lr_ratio=0.1"]
+
+
+@pytest.fixture(scope="module")
+def six_steps(tmp_path_factory):
+    """A run of 6 steps (one rank, in this process) with its checkpoints of steps 3 and 6; tests copy it."""
+    out = tmp_path_factory.mktemp("six_steps")
+    cfg = tiny_config(out, SIX_STEPS)
+    Trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=SixBatches()).train()
+    return out
+
+
+def schedule(step: int, peak: float, min_ratio: float, warmup: int = 2, total: int = 6) -> float:
+    """The lr after ``step`` optimizer steps: linear warm-up, then cosine to ``min_ratio`` x ``peak``."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * (
+        min_ratio + (1 - min_ratio) * (1 + math.cos(math.pi * (step - warmup) / (total - warmup))) / 2
+    )
+
+
+def test_a_resumed_run_trains_with_the_optimizer_settings_it_is_given(six_steps, tmp_path, caplog):
+    """Resumed from step 3 with optim.lr, optim.weight_decay, loss.temperature_lr and optim.min_lr_ratio
+    changed: the log names each change, every group's weight decay is the new one and from step 4 on every
+    lr is the new peak times the schedule (written out here); the run's own step-6 checkpoint replaces the
+    one the first run left."""
+    shutil.copytree(six_steps, tmp_path, dirs_exist_ok=True)
+    first_run = consolidated_state_dict(tmp_path / "checkpoints" / "step_00000006")["visual.conv1.weight"]
+    changed = [
+        "optim.lr=1e-5",
+        "optim.weight_decay=0.02",
+        "loss.temperature_lr=5e-5",
+        "optim.min_lr_ratio=0.3",
+    ]
+    cfg = tiny_config(tmp_path, [*SIX_STEPS, *changed])
+    caplog.set_level(logging.INFO, logger="eva_fastclip")
+    resume = str(tmp_path / "checkpoints" / "step_00000003")
+    trainer = Trainer(
+        cfg, load_deepspeed_config(cfg.train.deepspeed_config), resume=resume, loader=SixBatches()
+    )
+    for line in (
+        "optim.lr 0.001 -> 1e-05 on resume",
+        "optim.weight_decay 0.1 -> 0.02 on resume",
+        "loss.temperature_lr 0.0002 -> 5e-05 on resume",
+        "optim.min_lr_ratio 0.1 -> 0.3 on resume",
+    ):
+        assert caplog.text.count(line) == 1, line
+    for group in trainer.engine.optimizer.param_groups:
+        assert group["weight_decay"] == (0.02 if group["name"].endswith(".decay") else 0.0), group["name"]
+    trainer.train()
+    log = step_log(tmp_path)
+    assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]
+    for r in log:
+        peak, min_ratio, tau_lr = (1e-3, 0.1, 2e-4) if r["step"] <= 3 else (1e-5, 0.3, 5e-5)
+        want = schedule(r["step"], peak, min_ratio)
+        assert r["lr/visual"] == pytest.approx(want, rel=1e-12), r
+        assert r["lr/text"] == pytest.approx(want, rel=1e-12), r
+        assert r["lr/temperature"] == pytest.approx(tau_lr, rel=1e-12)
+    saved = consolidated_state_dict(tmp_path / "checkpoints" / "step_00000006")["visual.conv1.weight"]
+    assert torch.equal(saved, trainer.engine.module.visual.conv1.weight) and not torch.equal(saved, first_run)
+    assert checkpoint.resolve_resume("latest", tmp_path / "checkpoints").name == "step_00000006"
+
+
+@pytest.mark.parametrize(
+    "override, key, saved",
+    [
+        ("optim.warmup_steps=5", "optim.warmup_steps", "2"),
+        ("model.name=toy-vit-t", "model.name", '"test-vit-xs"'),
+        ("loss.name=fastclip_v1", "loss.name", '"fastclip_v3"'),
+        ("train.deepspeed_config=ds_configs/zero1_adamw.json", "deepspeed.optimizer.type", '"Lamb"'),
+    ],
+)
+def test_a_key_that_cannot_change_on_resume_stops_before_step_1(six_steps, tmp_path, override, key, saved):
+    shutil.copytree(six_steps, tmp_path, dirs_exist_ok=True)
+    before = files_of(tmp_path, mtimes=True)
+    cfg = tiny_config(tmp_path, [*SIX_STEPS, override])
+    with pytest.raises(ConfigError) as err:
+        Trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), resume="latest", loader=SixBatches())
+    message = str(err.value)
+    assert f"{key}: " in message and f"was trained with {key}={saved}" in message, message
+    assert "cannot change on resume" in message and "start a new run in another train.output_dir" in message
+    assert files_of(tmp_path, mtimes=True) == before
+
+
+def test_the_dry_run_names_a_key_that_cannot_change_on_resume(six_steps, tmp_path, capsys):
+    shutil.copytree(six_steps, tmp_path, dirs_exist_ok=True)
+    sets = [*SIX_STEPS, "optim.warmup_steps=5", "model.name=test-vit-xs", "loss.name=fastclip_v3"]
+    sets += [f"train.output_dir={tmp_path}", "eval.zeroshot_dir=null", "eval.retrieval_shards=null"]
+    argv = ["train", "--config", "configs/toy.json", "--resume", "latest", "--dry-run"]
+    assert main(argv + [arg for item in sets for arg in ("--set", item)]) == 2
+    errors = json.loads(capsys.readouterr().out)["preflight"]["errors"]
+    assert any(e.startswith("optim.warmup_steps: ") and "optim.warmup_steps=2" in e for e in errors), errors
+
+
+def test_every_config_key_has_a_rule_on_resume():
+    from eva_fastclip.config import ExperimentConfig
+
+    flat = resume_config._flatten(ExperimentConfig().to_dict())
+    assert sorted(flat.keys() - resume_config.RULES.keys()) == []
+
+
+def test_what_a_resume_compares():
+    saved = {
+        "config": {
+            "loss": {"name": "fastclip_v3", "gamma_decay_epochs": 3},
+            "data": {"index_size": 100},
+            "train": {"precision": "bf16", "seed": 0},
+            "model": {"pretrained": "a.pt"},
+        },
+        "deepspeed": {"optimizer": {"type": "Lamb", "params": {"betas": [0.9, 0.98]}}},
+    }
+
+    def changes(config, deepspeed=None):
+        new = {"config": config, "deepspeed": deepspeed or saved["deepspeed"]}
+        return {change.key: change for change in resume_config.compare(saved, new)}
+
+    same = {**saved["config"], "train": {"precision": "auto"}}  # decided elsewhere; seed: only one side
+    assert changes({**same, "loss": {"name": "fastclip_v3", "gamma_decay_epochs": None}}) == {}  # derived
+    assert changes({**same, "data": {"index_size": None}}) == {}  # read from the data, checked on load
+    refused = changes({**same, "data": {"index_size": 200}})["data.index_size"]
+    assert refused.refused and "data.index_size=100 and this run gives 200" in refused.refusal("ckpt")
+    openclip = {**saved, "config": {**saved["config"], "loss": {"name": "openclip"}}}
+    new = {"config": {**openclip["config"], "data": {"index_size": 200}}}
+    assert not resume_config.compare(openclip, new)[0].refused  # no per-sample table
+    betas = {"optimizer": {"type": "Lamb", "params": {"betas": (0.8, 0.9)}}}
+    change = changes(same, betas)["deepspeed.optimizer.params.betas"]
+    assert change.message() == "deepspeed.optimizer.params.betas [0.9, 0.98] -> [0.8, 0.9] on resume"
+    start = changes({**same, "model": {"pretrained": "b.pt"}})["model.pretrained"]
+    assert start.message().startswith('model.pretrained "a.pt" -> "b.pt" on resume (no effect: ')
+
+
+def test_docs_list_every_key_that_cannot_change_or_is_read_at_the_start_only():
+    text = (REPO / "docs" / "checkpoints.md").read_text()
+    for label, kind in (("Cannot change", "fixed"), ("Read at a run's start only", "start")):
+        item = text.split(f"- **{label}**", 1)[1].split("\n- ", 1)[0]
+        named = set(re.findall(r"`([a-z_.]+)`", item)) & resume_config.RULES.keys()
+        assert named == {key for key, rule in resume_config.RULES.items() if rule.kind == kind}, label
+
+
+def test_reapplied_settings_follow_the_schedule_and_the_temperature_drop():
+    """A load brings back the saved groups' settings and peaks; this run's come back in their place (the
+    temperature's scaled by its one-time drop), each lr its new peak times the schedule where it stood."""
+
+    def build(lr, weight_decay, tau_lr, betas):
+        weights, tau = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(()))
+        groups = [
+            {"params": [weights], "name": "visual.decay", "weight_decay": weight_decay},
+            {"params": [tau], "name": "temperature", "lr": tau_lr},
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, weight_decay=0.0)
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, [WarmupCosine(2, 10, 0.1), lambda step: 1.0])
+
+    saved = build(1e-3, 0.1, 2e-4, (0.9, 0.98))
+    for _ in range(4):
+        saved.optimizer.step()
+        saved.step()
+    scheduler = build(1e-5, 0.02, 5e-5, (0.8, 0.9))
+    built = resume_config.optimizer_settings(scheduler)
+    scheduler.optimizer.load_state_dict(saved.optimizer.state_dict())
+    scheduler.load_state_dict(saved.state_dict())
+    visual, tau = scheduler.optimizer.param_groups
+    # what a load does: the checkpoint's settings and peak
+    assert (visual["weight_decay"], visual["betas"], scheduler.base_lrs[0]) == (0.1, (0.9, 0.98), 1e-3)
+    resume_config.reapply_optimizer_settings(scheduler, built, {"temperature": 1 / 3})
+    assert (visual["weight_decay"], visual["betas"], tau["betas"]) == (0.02, (0.8, 0.9), (0.8, 0.9))
+    assert visual["lr"] == pytest.approx(schedule(4, 1e-5, 0.1, total=10), rel=1e-12)
+    assert tau["lr"] == pytest.approx(5e-5 / 3, rel=1e-12)
+    scheduler.optimizer.step()
+    scheduler.step()
+    assert visual["lr"] == pytest.approx(schedule(5, 1e-5, 0.1, total=10), rel=1e-12)
+    assert tau["lr"] == pytest.approx(5e-5 / 3, rel=1e-12)
+
+
+def test_a_run_without_resume_never_touches_an_earlier_run(six_steps, tmp_path, capsys):
+    """A restart that forgets --resume, in a folder with complete checkpoints and a step log: stopped before
+    step 1, by the Trainer and by --dry-run, naming --resume latest and how to start over; every file of the
+    earlier run keeps its bytes and its modification time."""
+    shutil.copytree(six_steps, tmp_path, dirs_exist_ok=True)
+    assert (tmp_path / "train_log.jsonl").is_file() and checkpoint.complete_checkpoints(
+        tmp_path / "checkpoints"
+    )
+    before = files_of(tmp_path, mtimes=True)
+    cfg = tiny_config(tmp_path, SIX_STEPS)
+    with pytest.raises(ConfigError) as err:
+        Trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=SixBatches())
+    message = str(err.value)
+    assert "--resume: " in message and "Continue it with --resume latest" in message
+    assert "choose another train.output_dir" in message and f"delete {tmp_path / 'checkpoints'}" in message
+    sets = [*SIX_STEPS, "model.name=test-vit-xs", f"train.output_dir={tmp_path}"]
+    assert (
+        main(["train", "--config", "configs/toy.json", "--dry-run", *[a for s in sets for a in ("--set", s)]])
+        == 2
+    )
+    assert any("--resume latest" in e for e in json.loads(capsys.readouterr().out)["preflight"]["errors"])
+    assert files_of(tmp_path, mtimes=True) == before
+    # with --resume latest the finished run only evaluates (launchers/demo.sh run again): nothing is saved
+    checkpoints = files_of(tmp_path / "checkpoints", mtimes=True)
+    ds = load_deepspeed_config(cfg.train.deepspeed_config)
+    trainer = Trainer(cfg, ds, resume="latest", loader=SixBatches())
+    trainer.train()
+    assert trainer.step == 6 and files_of(tmp_path / "checkpoints", mtimes=True) == checkpoints
 
 
 def test_a_conversion_is_made_once_per_save(tmp_path, monkeypatch):
@@ -257,15 +447,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(ranks: int, args: list[str], log: Path, kill_once: Path | None = None) -> str:
+def launch(
+    ranks: int,
+    args: list[str],
+    log: Path,
+    kill_once: Path | None = None,
+    hooks: dict[str, str] | None = None,
+    fails: bool = False,
+) -> str:
     """``deepspeed --num_gpus RANKS --module eva_fastclip ARGS``; with ``kill_once``, SIGKILL to the whole
-    launch (launcher, ranks, loader workers) as soon as that file appears."""
+    launch (launcher, ranks, loader workers) as soon as that file appears; with ``hooks`` (environment
+    variables), through tests/launched_train.py, which wraps the test hooks they name around the same
+    command; ``fails``: the launch must end with an error instead of exit code 0."""
     bin_dir = Path(sys.executable).parent
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONUNBUFFERED": "1"}
+    env.update(hooks or {})
     cmd = [str(bin_dir / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port())]
+    program = ["tests/launched_train.py"] if hooks else ["--module", "eva_fastclip"]
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [*cmd, "--module", "eva_fastclip", *args],
+            [*cmd, *program, *args],
             cwd=REPO,
             env=env,
             stdout=out,
@@ -284,7 +485,9 @@ def launch(ranks: int, args: list[str], log: Path, kill_once: Path | None = None
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
     text = log.read_text()
-    if kill_once is None:
+    if fails:
+        assert proc.returncode not in (0, -signal.SIGKILL), f"the launch did not fail:\n{text[-6000:]}"
+    elif kill_once is None:
         assert proc.returncode == 0, f"launch failed ({log.name}):\n{text[-6000:]}"
     else:
         assert proc.returncode == -signal.SIGKILL, f"the launch ended before its kill:\n{text[-6000:]}"
@@ -355,8 +558,20 @@ def converted(runs, data):
         shutil.copytree(runs[other]["step3"], original)
         # the other number of ranks' command as it was (its accumulation): launched on these ranks
         args = [*run_args(data, out, other, steps=KILL_AFTER + 2), "--resume", "latest"]
-        log = launch(ranks, args, runs[ranks]["tmp"] / f"from_{other}_ranks.log")
-        result[ranks] = {"out": out, "log": log, "saved": zero_state(runs[other]["step3"])}
+        dumps = runs[ranks]["tmp"] / f"from_{other}_ranks_loaded"
+        log = launch(
+            ranks,
+            args,
+            runs[ranks]["tmp"] / f"from_{other}_ranks.log",
+            hooks={"EVA_TEST_DUMP_LOADED": str(dumps)},
+        )
+        result[ranks] = {
+            "out": out,
+            "log": log,
+            "copy": runs[other]["step3"],
+            "saved": zero_state(runs[other]["step3"]),
+            "loaded": [torch.load(dumps / f"rank_{rank}.pt") for rank in range(ranks)],
+        }
     return result
 
 
@@ -385,6 +600,48 @@ def test_a_killed_run_resumes_exactly(runs, ranks):
         table = torch.load(path)["values"]
         other = torch.load(tmp / "killed" / "checkpoints" / final / "per_sample" / path.name)["values"]
         torch.testing.assert_close(other, table, rtol=1e-6, atol=0)
+
+
+RESNET = ["model.name=test-rn-xs", "model.patch_dropout=0.0", "loss.name=openclip"]
+
+
+@pytest.fixture(scope="module")
+def resnet_on_two_ranks(data, tmp_path_factory):
+    """A ResNet vision tower (BatchNorm: persistent buffers) trained 3 steps on 2 ranks and saved."""
+    out = tmp_path_factory.mktemp("resnet")
+    launch(2, run_args(data, out / "run", 2, steps=KILL_AFTER, extra=RESNET), out / "run.log")
+    return out / "run"
+
+
+@pytest.mark.launcher
+def test_buffers_survive_a_resume_on_another_number_of_ranks(resnet_on_two_ranks, data, tmp_path):
+    """Its step-3 checkpoint resumed on 1 rank (through the universal checkpoint): every persistent buffer
+    (BatchNorm's running statistics and counts) is the saved one, which three training forwards moved from
+    its initial value; the run trains on and saves, and the folder it resumed from stays as it was."""
+    out = tmp_path / "run"
+    shutil.copytree(resnet_on_two_ranks, out)
+    folder = out / "checkpoints" / checkpoint.tag_for_step(KILL_AFTER)
+    before = files_of(folder, mtimes=True)
+    saved = torch.load(folder / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    # the 2-rank run's own command, 2 steps longer
+    overrides = run_args(data, out, 2, steps=KILL_AFTER + 2, extra=RESNET)[4::2]
+    cfg = load_config("configs/toy.json", overrides)
+    ds = load_deepspeed_config(cfg.train.deepspeed_config)
+    trainer = Trainer(cfg, ds, resume="latest", loader=SixBatches())
+    assert trainer.resume_from == (folder, checkpoint.universal_folder(folder))
+    module = trainer.engine.module
+    params = dict(module.named_parameters())
+    buffers = {name: value for name, value in module.state_dict().items() if name not in params}
+    assert sum(name.endswith("running_var") for name in buffers) >= 10  # every BatchNorm of the tower
+    for name, value in buffers.items():
+        assert torch.equal(value, saved[name]), name
+        if name.endswith("num_batches_tracked"):  # rank 0's 3 steps of 1 micro-batch each
+            assert int(value) == KILL_AFTER, name
+        elif name.endswith("running_var"):
+            assert not torch.equal(value, torch.ones_like(value)), name
+    trainer.train()
+    assert checkpoint.is_complete(out / "checkpoints" / checkpoint.tag_for_step(KILL_AFTER + 2))
+    assert files_of(folder, mtimes=True) == before
 
 
 def zero_state(folder: Path) -> dict:
@@ -416,24 +673,33 @@ def zero_state(folder: Path) -> dict:
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_resume_on_another_number_of_ranks(converted, ranks):
     """The other number of ranks' step-3 checkpoint, resumed here: converted beside the original, the
-    global batch kept by the accumulation, the loaded state saved at once in this layout with fp32
-    weights, moments and step exactly as saved; then 2 more steps train."""
+    global batch kept by the accumulation, fp32 weights, moments and steps loaded exactly as saved (merged
+    from the saved partitions by the test, gathered from the loaded ones by DeepSpeed's accessors), the
+    original left as it was (no save replaces it); then 2 more steps train."""
     run = converted[ranks]
     original = run["out"] / "checkpoints" / checkpoint.tag_for_step(KILL_AFTER)
     assert f"converting {original} " in run["log"] and f"{original}.universal" in run["log"]
     accum, was = GLOBAL // MICRO // ranks, GLOBAL // MICRO // {1: 2, 2: 1}[ranks]
     assert f"kept on {ranks} ranks with train.grad_accum_steps={accum} (was {was})" in run["log"]
-    saved, again = run["saved"], zero_state(original)
-    assert (saved["ranks"], again["ranks"]) == ({1: 2, 2: 1}[ranks], ranks)
-    assert again["steps"] == saved["steps"] == [{KILL_AFTER}] * len(saved["steps"])
-    assert again["params"].keys() == saved["params"].keys()
+    saved, loaded = run["saved"], run["loaded"]
+    assert saved["ranks"] == {1: 2, 2: 1}[ranks]
+    assert saved["steps"] == [{KILL_AFTER}] * len(saved["steps"])
+    assert [rank["steps"] for rank in loaded] == [[KILL_AFTER] * len(saved["steps"])] * ranks
+    params = loaded[0]["params"]
+    assert params.keys() == saved["params"].keys()
     for name, tensors in saved["params"].items():
         for key, value in tensors.items():
-            assert torch.equal(again["params"][name][key], value), (name, key)
+            assert torch.equal(params[name][key].reshape(value.shape), value), (name, key)
+    assert files_of(original) == files_of(run["copy"])  # byte for byte the other number of ranks' save
     assert [r["step"] for r in step_log(run["out"])] == [KILL_AFTER + 1, KILL_AFTER + 2]
-    assert (
-        checkpoint.read_marker(run["out"] / "checkpoints" / checkpoint.tag_for_step(KILL_AFTER + 2))[
-            "world_size"
-        ]
-        == ranks
-    )
+    final = run["out"] / "checkpoints" / checkpoint.tag_for_step(KILL_AFTER + 2)
+    assert checkpoint.read_marker(final)["world_size"] == ranks
+
+
+def files_of(folder: Path, mtimes: bool = False) -> dict:
+    """Every file under ``folder``: its bytes and, with ``mtimes``, its modification time."""
+    return {
+        str(path.relative_to(folder)): (path.read_bytes(), path.stat().st_mtime_ns if mtimes else None)
+        for path in sorted(folder.rglob("*"))
+        if path.is_file()
+    }

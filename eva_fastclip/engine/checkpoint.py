@@ -11,7 +11,9 @@ checkpoints are deleted only after a newer one is complete. "Newer" is the order
 
 ZeRO checkpoints hold one partition of the optimizer per rank. Resuming on another number of ranks goes
 through DeepSpeed's universal checkpoint: ``convert_to_universal`` writes ``step_00000123.universal``
-beside the original (once; it is reused) and ``load_checkpoint`` loads it with ``load_universal``.
+beside the original (once; it is reused) and ``load_checkpoint`` loads it with ``load_universal``, and
+the rest of the module (frozen parameters, persistent buffers) from the original's saved module. The
+original stays as it is: it holds every rank's own files, which no other layout can replace.
 """
 
 from __future__ import annotations
@@ -174,7 +176,8 @@ def save_checkpoint(
 
 def load_checkpoint(engine, folder: Path, universal: Path | None = None) -> dict[str, Any]:
     """Load model, optimizer, scheduler and our client state from a complete checkpoint folder, or from
-    its ``universal`` conversion (the engine was built with ``checkpoint.load_universal``)."""
+    its ``universal`` conversion (the engine was built with ``checkpoint.load_universal``) and what the
+    conversion leaves out from the folder's saved module."""
     source = folder if universal is None else universal
     if universal is not None:
         engine.optimizer.load_hp_checkpoint_state_from_checkpoint_dir = types.MethodType(
@@ -184,8 +187,27 @@ def load_checkpoint(engine, folder: Path, universal: Path | None = None) -> dict
     if load_path is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint in {source}")
     if universal is not None:
-        _load_frozen_parameters(engine.module, universal)
+        _load_module_rest(engine.module, folder)
     return client_state
+
+
+def saved_settings(folder: Path) -> dict[str, Any]:
+    """The experiment config a checkpoint was trained with (``config``) and its DeepSpeed settings
+    (``deepspeed``, engine/resume_config.py): from its marker, or for a checkpoint saved before the marker
+    held them, from the client state in its model states (the ZeRO stage and clipping from DeepSpeed's
+    copy of its JSON; the optimizer's type and parameters are not there)."""
+    marker = read_marker(folder)
+    if "config" in marker:
+        return {"config": marker["config"], "deepspeed": marker.get("deepspeed", {})}
+    states = sorted(folder.glob("mp_rank_*_model_states.pt"))
+    if not states:
+        return {}
+    saved = torch.load(states[0], map_location="cpu", weights_only=False, mmap=True)
+    ds = saved.get("ds_config") if isinstance(saved.get("ds_config"), dict) else {}
+    deepspeed = {"zero_optimization": {"stage": ds.get("zero_optimization", {}).get("stage", 0)}}
+    if "gradient_clipping" in ds:
+        deepspeed["gradient_clipping"] = ds["gradient_clipping"]
+    return {"config": saved.get("config", {}), "deepspeed": deepspeed}
 
 
 def saved_precision(folder: Path) -> str | None:
@@ -345,17 +367,24 @@ def _load_universal_groups(self, lp_groups_name: str, checkpoint_dir: str) -> No
         hook(self.optimizer)
 
 
-def _load_frozen_parameters(module: torch.nn.Module, universal: Path) -> None:
-    """A universal load restores the parameters ZeRO optimizes; frozen ones (a fixed temperature, a locked
-    tower) come from the saved module, as a native load takes them."""
-    frozen = {name: p for name, p in module.named_parameters() if not p.requires_grad}
-    if not frozen:
+def _load_module_rest(module: torch.nn.Module, folder: Path) -> None:
+    """A universal load restores only the parameters ZeRO optimizes. The rest of the module comes from the
+    checkpoint's saved module, as a native load takes it: frozen parameters (a fixed temperature, a locked
+    tower) and persistent buffers (BatchNorm's running statistics and counts)."""
+    params = dict(module.named_parameters())
+    wanted = {name for name, p in params.items() if not p.requires_grad}
+    wanted |= module.state_dict().keys() - params.keys()  # persistent buffers
+    if not wanted:
         return
-    saved = torch.load(universal / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    states = folder / "mp_rank_00_model_states.pt"
+    saved = torch.load(states, map_location="cpu", weights_only=False)["module"]
+    missing = sorted(wanted - saved.keys())
+    if missing:
+        raise RuntimeError(f"{states} has no {', '.join(missing[:5])}: it is not this architecture's")
+    current = module.state_dict(keep_vars=True)
     with torch.no_grad():
-        for name, param in frozen.items():
-            if name in saved["module"]:
-                param.copy_(saved["module"][name].to(param.dtype))
+        for name in wanted:
+            current[name].copy_(saved[name].to(current[name].dtype))
 
 
 def _barrier() -> None:

@@ -5,7 +5,8 @@ A wrong path otherwise surfaces when it is first used: ``eval.zeroshot_dir`` aft
 final save, days into a run; a Hugging Face tokenizer missing from a text folder never (transformers then
 builds one with an empty vocabulary from config.json alone). :func:`check_run` looks at every input the
 config names (training shards and their sizes, evaluation folders and shards, weight files, the
-architecture and its tokenizer, a ``--resume`` folder) and at the output folder, and at lengths that leave
+architecture and its tokenizer, a ``--resume`` folder and the keys a resumed run may not change) and at
+the output folder (an earlier run's checkpoints there need ``--resume``), and at lengths that leave
 a run without meaning (a batch larger than an epoch, accumulation that leaves an epoch without an optimizer
 step, a warm-up longer than the run). It creates, downloads and starts nothing, and returns every problem
 at once, each naming its config key and the fix.
@@ -114,7 +115,9 @@ def check_run(
     problems += check_eval(cfg)
     problems += check_output_dir(cfg.train.output_dir)
     if resume is not None:
-        problems += check_resume(resume, Path(cfg.train.output_dir) / "checkpoints")
+        problems += check_resume(resume, Path(cfg.train.output_dir) / "checkpoints", cfg)
+    else:
+        problems += check_earlier_run(cfg.train.output_dir)
     if not train_shards:
         return report
     urls, data_problems = check_train_shards(cfg)
@@ -337,14 +340,42 @@ def _hf_local(name: str, files: tuple[str, ...]) -> bool:
     return False
 
 
-def check_resume(resume: str, checkpoint_root: Path) -> list[Problem]:
-    from eva_fastclip.engine.checkpoint import resolve_resume
+def check_resume(resume: str, checkpoint_root: Path, cfg: ExperimentConfig | None = None) -> list[Problem]:
+    """The checkpoint ``--resume`` names is complete, and ``cfg`` changes no key the checkpoint cannot go on
+    under (engine/resume_config.py; the trainer compares again, the DeepSpeed settings too)."""
+    from eva_fastclip.engine import checkpoint, resume_config
 
     try:
-        resolve_resume(resume, checkpoint_root)
+        folder = checkpoint.resolve_resume(resume, checkpoint_root)
     except (FileNotFoundError, ValueError) as err:
         return [Problem("--resume", str(err))]
-    return []
+    if folder is None or cfg is None:
+        return []
+    changes = resume_config.compare(checkpoint.saved_settings(folder), {"config": cfg.to_dict()})
+    return [Problem(change.key, change.refusal(str(folder))) for change in changes if change.refused]
+
+
+def check_earlier_run(output_dir: str) -> list[Problem]:
+    """A run without ``--resume`` in a folder that holds complete checkpoints would start over its step
+    log and let retention delete the earlier run's checkpoints: it does not start, and touches nothing."""
+    from eva_fastclip.engine.checkpoint import complete_checkpoints
+
+    root = Path(output_dir) / "checkpoints"
+    try:
+        found = complete_checkpoints(root)
+    except OSError:  # unreadable: check_output_dir names it
+        return []
+    if not found:
+        return []
+    return [
+        Problem(
+            "--resume",
+            f"train.output_dir={output_dir} holds complete checkpoints of an earlier run (the latest: "
+            f"{found[-1]}); a run that starts over there would cut its train_log.jsonl and delete them "
+            f"(train.keep_checkpoints). Continue it with --resume latest; to start over, choose another "
+            f"train.output_dir or delete {root} first",
+        )
+    ]
 
 
 def _unreadable(key: str, urls: list[str]) -> list[Problem]:

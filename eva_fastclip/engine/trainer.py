@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from eva_fastclip.config import ConfigError, ExperimentConfig, batch_layout, gamma_decay_epochs_for
 from eva_fastclip.data import TrainLoader
-from eva_fastclip.engine import checkpoint, preflight
+from eva_fastclip.engine import checkpoint, preflight, resume_config
 from eva_fastclip.engine.evaluate import evaluate_model, format_results
 from eva_fastclip.engine.precision import (
     common_hardware,
@@ -42,6 +42,7 @@ from eva_fastclip.engine.precision import (
     precision_in_deepspeed_json,
 )
 from eva_fastclip.engine.setup import (
+    WarmupCosine,
     autocast_dtype,
     initialize_engine,
     resolve_deepspeed_config,
@@ -52,6 +53,7 @@ from eva_fastclip.losses import Gatherer, build_loss
 from eva_fastclip.models import create_model
 from eva_fastclip.models.kernels import configure_kernels
 from eva_fastclip.models.masking import set_patch_dropout
+from eva_fastclip.models.param_groups import TEMPERATURE_GROUP
 from eva_fastclip.temperature import TemperatureController
 
 log = logging.getLogger(__name__)
@@ -147,6 +149,14 @@ class Trainer:
             if precision.warning:
                 log.warning(precision.warning)
         ds = resolve_deepspeed_config(ds_config, cfg, layout, source=source, precision=precision)
+        self.deepspeed_settings = resume_config.deepspeed_settings(ds)
+        self._resume_changes: list[resume_config.Change] = []
+        if self.resume_from is not None:  # what cannot change stops the run here, before the engine
+            folder = self.resume_from[0]
+            saved = checkpoint.saved_settings(folder)
+            new = {"config": cfg.to_dict(), "deepspeed": self.deepspeed_settings}
+            self._resume_changes = resume_config.compare(saved, new)
+            resume_config.refuse(self._resume_changes, str(folder))
         self.input_dtype = autocast_dtype(ds)
         if self.resume_from is not None and self.resume_from[1] is not None:
             ds["checkpoint"] = {**ds.get("checkpoint", {}), "load_universal": True}
@@ -160,7 +170,9 @@ class Trainer:
         self._loader_position: dict[str, Any] | None = None  # the resumed epoch's data position
         if self.resume_from is not None:
             folder, universal = self.resume_from
-            self._restore(checkpoint.load_checkpoint(self.engine, folder, universal), folder, universal)
+            built = resume_config.optimizer_settings(self.engine.lr_scheduler)  # from this run's config
+            state = checkpoint.load_checkpoint(self.engine, folder, universal)
+            self._restore(state, folder, universal, built)
 
         self.writer = None
         if self.is_main:
@@ -175,8 +187,6 @@ class Trainer:
 
     def train(self) -> dict[str, float]:
         cfg = self.cfg.train
-        if self.resume_from is not None and self.resume_from[1] is not None and self._saved_step is None:
-            self.save()  # resumed from another number of ranks: its state in this layout, for the next resume
         progress = self._progress_bar()
         window_start, window_steps = time.perf_counter(), 0
         while self.step < self.total_steps:
@@ -388,6 +398,9 @@ class Trainer:
                 "micro_batch": self.layout.micro_batch,
                 "grad_accum_steps": self.layout.grad_accum_steps,
                 "precision": precision_of(self.engine),
+                # what a resumed run compares its own config with before it builds anything
+                "config": state["config"],
+                "deepspeed": self.deepspeed_settings,
             },
         )
         self._saved_step = self.step
@@ -467,20 +480,26 @@ class Trainer:
             raise value
         return value
 
-    def _restore(self, state: dict[str, Any], folder: Path, universal: Path | None) -> None:
+    def _restore(
+        self, state: dict[str, Any], folder: Path, universal: Path | None, built: list[dict[str, Any]]
+    ) -> None:
         """Everything of the checkpoint that DeepSpeed does not load: position, temperature controller,
         per-sample state, the schedule's new length, and (saved by as many ranks) this rank's RNG states
-        and data position; the RNG states last, when nothing else draws before the first step."""
+        and data position; the RNG states last, when nothing else draws before the first step. Then the
+        optimizer settings of this run's config (``built`` before the load) replace the checkpoint's."""
         self.step, self.epoch, self.micro_in_epoch = state["step"], state["epoch"], state["micro_in_epoch"]
         self.temperature.load_state_dict(state.get("temperature", {}))
         self.loss.load_state(folder / "per_sample")
         self._retarget_schedule()
+        self._apply_resumed_config(built)
         saved = state.get("layout", {}).get("micro_batch", self.layout.micro_batch) * state["world_size"]
         if saved != self.layout.micro_batch * self.world_size:  # micro-batches of another size: same samples
             samples = self.micro_in_epoch * saved
             self.micro_in_epoch = min(samples // self.layout.samples_per_forward, self.loader.num_batches)
         own = checkpoint.load_rank_state(folder, self.rank) if universal is None else None
-        self._saved_step = self.step if universal is None else None  # converted: train() saves it first
+        # the checkpoint's state, unchanged: no save of this step replaces the folder it came from (converted
+        # from another number of ranks, the original keeps every rank's files; its conversion is reused)
+        self._saved_step = self.step
         self._loader_position = own["loader"] if own else None
         if self.is_main:
             log.info("resumed from %s at step %d (epoch %d)", folder, self.step, self.epoch)
@@ -490,19 +509,22 @@ class Trainer:
             seed_everything(zlib.crc32(f"{self.cfg.train.seed}:{self.step}:{self.rank}".encode()))
 
     def _retarget_schedule(self) -> None:
-        """Stretch the lr decay over a changed train.steps / train.epochs (setup.WarmupCosine)."""
-        saved = retarget_schedule(self.engine.lr_scheduler, self.step, self.total_steps)
-        if saved is None or not self.is_main:
+        """Stretch the lr decay over a changed train.steps / train.epochs (setup.WarmupCosine), and end it
+        at this run's optim.min_lr_ratio (the warm-up cannot change: engine/resume_config.py)."""
+        scheduler = self.engine.lr_scheduler
+        saved = retarget_schedule(scheduler, self.step, self.total_steps)
+        if saved is None:
             return
-        optim = self.cfg.optim
-        if (saved.warmup, saved.min_ratio) != (optim.warmup_steps, optim.min_lr_ratio):
+        for fn in scheduler.lr_lambdas:
+            if isinstance(fn, WarmupCosine):
+                fn.min_ratio = self.cfg.optim.min_lr_ratio  # from the cosine's current point on
+        if not self.is_main:
+            return
+        if saved.warmup != self.cfg.optim.warmup_steps:  # a checkpoint that kept no config to compare
             log.warning(
-                "the checkpoint's schedule goes on (warm-up %d steps, min_lr_ratio %s): "
-                "optim.warmup_steps=%d and optim.min_lr_ratio=%s apply to new runs only",
+                "the checkpoint's warm-up of %d steps goes on (optim.warmup_steps=%d is for new runs)",
                 saved.warmup,
-                saved.min_ratio,
-                optim.warmup_steps,
-                optim.min_lr_ratio,
+                self.cfg.optim.warmup_steps,
             )
         if saved.total == self.total_steps:
             return
@@ -520,6 +542,18 @@ class Trainer:
                 self.total_steps - self.step,
                 saved.total,
             )
+
+    def _apply_resumed_config(self, built: list[dict[str, Any]]) -> None:
+        """The optimizer settings of this run's config in place of the checkpoint's (each group's peak lr,
+        the temperature's after its one-time drop, weight decay, betas, eps), from the next step on; rank 0
+        logs every key that changed (engine/resume_config.py)."""
+        scale = {}
+        if self.temperature.lr_dropped:  # rgcl_g's drop happened: it stays on the new temperature lr
+            scale[TEMPERATURE_GROUP] = self.temperature.lr_drop_factor
+        resume_config.reapply_optimizer_settings(self.engine.lr_scheduler, built, scale)
+        if self.is_main:
+            for change in self._resume_changes:
+                log.info("%s", change.message())
 
     def _log_step(self, metrics: dict[str, float]) -> None:
         """One line per optimizer step in output_dir/train_log.jsonl (rank 0): metrics and lr per tower."""

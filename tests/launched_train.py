@@ -1,0 +1,109 @@
+"""``eva-fastclip train`` for launcher tests (``deepspeed --num_gpus N tests/launched_train.py train ...``),
+with hooks that environment variables switch on. The product has no such hooks; they are wrapped around
+it here.
+
+- ``EVA_TEST_POISON=RANK:STEP,STEP``: that rank's micro-batches of those optimizer steps (1-based) get a NaN
+  image, so the loss and the gradients turn non-finite on that rank alone (then, through the gather and the
+  gradient all-reduce, everywhere).
+- ``EVA_TEST_RECORD=FOLDER``: every rank writes ``FOLDER/rank_K.json`` as it leaves: its exit code and, if
+  it stopped for non-finite steps, the step and the message; rank 0 writes ``FOLDER/saved_STEP.json`` after
+  each save: the SHA-256 of every file of the checkpoint.
+- ``EVA_TEST_DUMP_LOADED=FOLDER``: once the trainer is set up (a resume loaded), every rank writes
+  ``FOLDER/rank_K.pt``: its optimizer steps per group and, on rank 0, the full fp32 weights and moments of
+  every trained parameter, gathered from the ZeRO partitions by DeepSpeed's own accessors.
+"""
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from eva_fastclip.cli import main
+from eva_fastclip.engine.trainer import NonFiniteSteps, Trainer
+
+RANK = int(os.environ.get("RANK", "0"))
+stopped: dict = {}
+
+
+def poison(spec: str) -> None:
+    rank, steps = spec.split(":")
+    steps = {int(step) for step in steps.split(",")}
+    real = Trainer.train_step
+
+    def train_step(self, images, tokens, indices):
+        if self.rank == int(rank) and self.step + 1 in steps:
+            images = images.clone()
+            images[0] = float("nan")
+        return real(self, images, tokens, indices)
+
+    Trainer.train_step = train_step
+
+
+def record_stop() -> None:
+    real = Trainer._stop
+
+    def _stop(self, what):
+        try:
+            real(self, what)
+        except NonFiniteSteps as err:
+            stopped.update(step=self.step, message=str(err))
+            raise
+
+    Trainer._stop = _stop
+
+
+def record_saves(folder: Path) -> None:
+    real = Trainer.save
+
+    def save(self):
+        saved = real(self)
+        if self.is_main:
+            files = sorted(path for path in saved.rglob("*") if path.is_file())
+            digest = {str(p.relative_to(saved)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"saved_{self.step}.json").write_text(json.dumps(digest))
+        return saved
+
+    Trainer.save = save
+
+
+def dump_loaded(folder: Path) -> None:
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    real = Trainer.__init__
+
+    def __init__(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        params = {}
+        for name, param in self.engine.module.named_parameters():
+            if param.requires_grad:  # collectives: every rank gathers every parameter, in the same order
+                params[name] = {
+                    "fp32": safe_get_full_fp32_param(param).clone(),
+                    "exp_avg": safe_get_full_optimizer_state(param, "exp_avg").clone(),
+                    "exp_avg_sq": safe_get_full_optimizer_state(param, "exp_avg_sq").clone(),
+                }
+        base = self.engine.optimizer.optimizer  # ZeRO's wrapper holds the optimizer that steps
+        steps = [int(base.state[group["params"][0]]["step"]) for group in base.param_groups]
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save({"steps": steps, "params": params if self.is_main else {}}, folder / f"rank_{RANK}.pt")
+
+    Trainer.__init__ = __init__
+
+
+if __name__ == "__main__":
+    if os.environ.get("EVA_TEST_POISON"):
+        poison(os.environ["EVA_TEST_POISON"])
+    if os.environ.get("EVA_TEST_DUMP_LOADED"):
+        dump_loaded(Path(os.environ["EVA_TEST_DUMP_LOADED"]))
+    record_stop()
+    if os.environ.get("EVA_TEST_RECORD"):
+        record_saves(Path(os.environ["EVA_TEST_RECORD"]))
+    code = main(sys.argv[1:])
+    if os.environ.get("EVA_TEST_RECORD"):
+        folder = Path(os.environ["EVA_TEST_RECORD"])
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"rank_{RANK}.json").write_text(json.dumps({"exit_code": code, **stopped}))
+    sys.exit(code)
