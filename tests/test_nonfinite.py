@@ -60,14 +60,25 @@ def shards(tmp_path_factory):
     return out / "train"
 
 
-def train(tmp_path, shards, monkeypatch, *, stage, poisoned, save_every, max_skipped=3, resume=None):
+def train(
+    tmp_path,
+    shards,
+    monkeypatch,
+    *,
+    stage,
+    poisoned,
+    save_every,
+    max_skipped=3,
+    resume=None,
+    model="test-vit-xs",
+):
     monkeypatch.setattr(trainer_module, "TrainLoader", lambda *args, **kwargs: Batches(poisoned))
     ds = json.loads(Path("ds_configs/zero1_fp32_lamb.json").read_text())
     ds["zero_optimization"]["stage"] = stage
     ds_path = tmp_path / f"zero{stage}_fp32.json"
     ds_path.write_text(json.dumps(ds))
     overrides = {
-        "model.name": "test-vit-xs",
+        "model.name": model,
         "loss.name": "fastclip_v3",
         "data.train_shards": json.dumps([str(shards)]),
         "train.deepspeed_config": str(ds_path),
@@ -145,6 +156,19 @@ def test_zero_never_stops(tmp_path, shards, monkeypatch):
     poisoned = set(range(3, 13))
     assert train(tmp_path, shards, monkeypatch, stage=1, poisoned=poisoned, save_every=0, max_skipped=0) == 0
     assert complete_steps(tmp_path) == [12]
+
+
+def test_a_skipped_step_leaves_batchnorm_statistics_as_they_were(tmp_path, shards, monkeypatch):
+    """A ResNet tower's BatchNorm updates its running statistics in the forward pass, also from the NaN
+    batch of a step that is then skipped; NaN would stay there for good (and rank 0's are saved, so the run
+    went on and saved NaN statistics without a word). The skipped step is undone there too."""
+    assert train(tmp_path, shards, monkeypatch, stage=1, poisoned={3}, save_every=0, model="test-rn-xs") == 0
+    final = weights_of(tmp_path / "run/checkpoints" / checkpoint.tag_for_step(12))
+    stats = {k: t for k, t in final.items() if k.endswith(("running_mean", "running_var"))}
+    assert stats and all(torch.isfinite(t).all() for t in stats.values())
+    # 12 optimizer steps drew 12 batches, 11 of them counted: the skipped one's count was undone too
+    (tracked,) = {int(t) for k, t in final.items() if k.endswith("num_batches_tracked")}
+    assert tracked == 11
 
 
 def test_max_skipped_steps_is_validated():

@@ -164,6 +164,15 @@ class Trainer:
             bundle.model, cfg, ds, self.total_steps, temperature_lr=self.temperature.own_group_lr
         )
 
+        # BatchNorm's running statistics (RN towers), and their values before the step under way
+        self._running_stats = [
+            buffer
+            for module in self.engine.module.modules()
+            if isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.track_running_stats
+            for buffer in (module.running_mean, module.running_var, module.num_batches_tracked)
+            if buffer is not None
+        ]
+        self._running_stats_before: list[torch.Tensor] | None = None
         self.step, self.epoch, self.micro_in_epoch = 0, 0, 0
         self.unmasked = False
         self._saved_step: int | None = None  # the step whose state this run saved (or resumed, unchanged)
@@ -223,6 +232,8 @@ class Trainer:
     def train_step(self, images, tokens, indices) -> dict[str, float] | None:
         """One micro-batch; returns metrics when it completed an optimizer step, else None."""
         engine = self.engine
+        if self._running_stats_before is None:  # the step's first micro-batch
+            self._running_stats_before = [b.clone() for b in self._running_stats]
         images = images.to(self.device, dtype=self.input_dtype, non_blocking=True)
         tokens = tokens.to(self.device, non_blocking=True)
         image_features, text_features, logit_scale = engine(images, tokens)[:3]
@@ -296,6 +307,13 @@ class Trainer:
         if self.world_size > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         self.bad_steps = self.bad_steps + 1 if bad.item() else 0
+        before, self._running_stats_before = self._running_stats_before, None
+        if self.bad_steps:
+            # the forward passes updated BatchNorm's running statistics from the non-finite batch even
+            # where the step was skipped; NaN there never leaves (mean <- m*mean + (1-m)*x) and rank 0's
+            # are saved: a bad step leaves none of its trace
+            for buffer, saved in zip(self._running_stats, before or (), strict=True):
+                buffer.copy_(saved)
         metrics["skipped_in_a_row"] = float(self.bad_steps)
         if not self.bad_steps:
             return
@@ -333,9 +351,14 @@ class Trainer:
         )
 
     def _weights_finite(self) -> bool:
-        """Whether every weight is finite. The same verdict on every rank: ZeRO 0-2 keeps whole weights."""
-        params = [p.detach() for p in self.engine.module.parameters()]
-        return bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
+        """Whether every weight and floating-point buffer is finite, on every rank (the verdict is reduced:
+        buffers such as BatchNorm's statistics are each rank's own, and rank 0's are saved)."""
+        module = self.engine.module
+        tensors = [*module.parameters(), *(b for b in module.buffers() if b.is_floating_point())]
+        finite = torch.stack([torch.isfinite(t.detach()).all() for t in tensors]).all().float()
+        if self.world_size > 1:
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        return bool(finite.item())
 
     def _epoch_batches(self):
         """This epoch's remaining micro-batches. A resumed epoch goes on in the same order after the
