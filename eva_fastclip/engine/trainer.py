@@ -351,10 +351,11 @@ class Trainer:
         )
 
     def _weights_finite(self) -> bool:
-        """Whether every weight and floating-point buffer is finite, on every rank (the verdict is reduced:
-        buffers such as BatchNorm's statistics are each rank's own, and rank 0's are saved)."""
-        module = self.engine.module
-        tensors = [*module.parameters(), *(b for b in module.buffers() if b.is_floating_point())]
+        """Whether every weight and BatchNorm statistic is finite, on every rank (the verdict is reduced:
+        the statistics are each rank's own, and rank 0's are saved). Not every buffer: the text tower's
+        causal attention mask holds -inf by design."""
+        stats = (b for b in self._running_stats if b.is_floating_point())
+        tensors = [*self.engine.module.parameters(), *stats]
         finite = torch.stack([torch.isfinite(t.detach()).all() for t in tensors]).all().float()
         if self.world_size > 1:
             dist.all_reduce(finite, op=dist.ReduceOp.MIN)
