@@ -37,6 +37,9 @@ class ModelConfig:
     """Local EVA MIM checkpoint for the vision tower (EVA repo, timm or open_clip format); docs/eva.md."""
     text_checkpoint: str | None = None
     """Local text-tower weights: an open_clip checkpoint or OpenAI's CLIP file with the same text tower."""
+    text_checkpoint_skip: list[str] = field(default_factory=list)
+    """Text-tower tensors (names relative to the tower, e.g. "text_projection") that model.text_checkpoint
+    does not load: they keep their fresh initialisation (EVA-CLIP's --skip-list, for the projection)."""
     text_hf_model: str | None = None
     """Local folder of a Hugging Face text encoder (config, weights, tokenizer) to use as the text tower."""
     lock_text: bool = False
@@ -60,6 +63,11 @@ class ModelConfig:
             )
         if self.text_hf_model is not None and self.text_checkpoint is not None:
             raise ConfigError("model.text_hf_model and model.text_checkpoint both set: choose one text tower")
+        if self.text_checkpoint_skip and self.text_checkpoint is None:
+            raise ConfigError(
+                f"model.text_checkpoint_skip={self.text_checkpoint_skip} names tensors of "
+                "model.text_checkpoint, which is not set: set it, or remove the skip list"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -108,9 +116,10 @@ class DataConfig:
             raise ConfigError('data.index_key is empty: name the .json field of the index, e.g. "key"')
 
 
-#: Each loss's defaults (SPEC.md, FastCLIP's scripts); a LossConfig key left null takes these.
-#: temperature_rule: fixed | learnable (through the loss, OpenCLIP / v0) | rgcl_g (v3) |
-#: individual_adam (v2) | individual_momentum (iSogCLR).
+#: Each loss's defaults: the values of FastCLIP's published runs (its README and code; docs/recipes.md);
+#: a LossConfig key left null takes these. temperature_rule: fixed | learnable (through the loss,
+#: OpenCLIP / v0) | rgcl_g (v3) | individual_adam (v2, and iSogCLR as FastCLIP's code runs it) |
+#: individual_momentum (iSogCLR's own rule).
 LOSS_DEFAULTS: dict[str, dict[str, Any]] = {
     "openclip": {"temperature_rule": "learnable", "temperature_init": 0.07},
     "sogclr": {
@@ -134,14 +143,18 @@ LOSS_DEFAULTS: dict[str, dict[str, Any]] = {
         "temperature_lr_drop_below": 0.03,
         "rho": 6.5,
     },
-    "isogclr": {
-        "temperature_rule": "individual_momentum",
+    "isogclr": {  # FastCLIP-v2's loss and tau rule with a constant gamma (FastCLIP's README)
+        "temperature_rule": "individual_adam",
         "temperature_init": 0.03,
-        "temperature_lr": 0.03,
+        "temperature_lr": 0.0133,
         "rho": 7.0,
         "gamma_schedule": "constant",
         "gamma_min": 0.9,
     },
+}
+#: Defaults of a (loss, rule) pair other than the loss's own rule: iSogCLR's momentum rule, its own lr.
+_RULE_DEFAULTS: dict[tuple[str, str], dict[str, Any]] = {
+    ("isogclr", "individual_momentum"): {"temperature_lr": 0.03},
 }
 #: Defaults shared by the compositional losses (every name but "openclip").
 _COMPOSITIONAL_DEFAULTS: dict[str, Any] = {
@@ -153,6 +166,11 @@ PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 TEMPERATURE_RULES = ("fixed", "learnable", "rgcl_g", "individual_adam", "individual_momentum")
 #: how the rgcl_g rule takes tau's gradient: the objective's, or what FastCLIP's code computes
 TAU_GRADIENTS = ("exact", "fastclip_code")
+#: rgcl_g's temperature-lr drop: while tau is at or below the threshold (FastCLIP's scheduler), or for
+#: good from the first time it is (SPEC)
+TEMPERATURE_LR_DROP_RULES = ("every_step", "once")
+#: optim.weight_decay_rule: which parameter tensors get weight decay (models/param_groups.py)
+WEIGHT_DECAY_RULES = ("no_embeddings", "fastclip", "eva_clip")
 #: optim.lamb_trust_ratio: per model tensor (ours), or per flat ZeRO partition (DeepSpeed's FusedLamb).
 LAMB_TRUST_RATIOS = ("per_tensor", "per_zero_partition")
 
@@ -173,9 +191,12 @@ class LossConfig:
     """lr of tau: its own constant-lr group (rgcl_g) or the per-sample step (individual rules); null for
     `learnable`: tau shares the model's lr and schedule (FastCLIP-v0: lr_tau = lr)."""
     temperature_lr_drop_below: float | None = None
-    """rgcl_g: once tau <= this value, tau's lr is multiplied by temperature_lr_drop_factor (once); > 0."""
+    """rgcl_g: when tau <= this value, tau's lr is multiplied by temperature_lr_drop_factor; > 0."""
     temperature_lr_drop_factor: float = 1.0 / 3.0
-    """rgcl_g: factor of the one-time lr drop, in (0, 1]."""
+    """rgcl_g: factor of the lr drop, in (0, 1]."""
+    temperature_lr_drop_rule: str = "every_step"
+    """rgcl_g: "every_step" (tau's lr is checked before every step: dropped while tau <= the threshold,
+    back up when tau climbs above it, as FastCLIP's scheduler does) or "once" (dropped for good)."""
     temperature_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """individual_adam: Adam's (beta1, beta2) for the per-sample tau."""
     temperature_momentum: float = 0.5
@@ -194,9 +215,10 @@ class LossConfig:
     """rho of the robust objectives RGCL (v2, iSogCLR) and RGCL-g (v3): 6.5 CC3M, 8.5 CC12M, 16 LAION."""
     eps: float | None = None
     """epsilon inside log(eps + g) and g / (u + eps): 1e-14 (1e-6 for LAION-scale runs)."""
-    tau_gradient: str = "exact"
-    """rgcl_g only: "exact" (the gradient of RGCL-g) or "fastclip_code" (FastCLIP's code: the surrogate's
-    tau-derivative counted twice, log u without eps; reproduces its published v3 runs; docs/losses.md)."""
+    tau_gradient: str | None = None
+    """rgcl_g only: "fastclip_code" (FastCLIP's code: the surrogate's tau-derivative counted twice, log u
+    without eps; its published v3 runs and rho values) or "exact" (the gradient of RGCL-g; docs/losses.md);
+    null: fastclip_code for rgcl_g, exact for every other rule."""
 
     def __post_init__(self) -> None:
         if self.name not in LOSS_DEFAULTS:
@@ -204,6 +226,8 @@ class LossConfig:
         defaults = dict(LOSS_DEFAULTS[self.name])
         if self.name != "openclip":
             defaults = {**_COMPOSITIONAL_DEFAULTS, **defaults}
+        rule = self.temperature_rule or defaults["temperature_rule"]
+        defaults.update(_RULE_DEFAULTS.get((self.name, rule), {}))
         for key, value in defaults.items():
             if getattr(self, key) is None:
                 setattr(self, key, value)
@@ -243,6 +267,11 @@ class LossConfig:
             )
         if self.temperature_lr_drop_below is not None:
             _positive("loss.temperature_lr_drop_below", self.temperature_lr_drop_below)
+        if self.temperature_lr_drop_rule not in TEMPERATURE_LR_DROP_RULES:
+            raise ConfigError(
+                f"loss.temperature_lr_drop_rule must be one of {TEMPERATURE_LR_DROP_RULES}, "
+                f"got {self.temperature_lr_drop_rule!r}"
+            )
         if self.name != "openclip":
             if self.gamma_schedule not in ("cosine", "constant"):
                 raise ConfigError(
@@ -254,6 +283,8 @@ class LossConfig:
                 raise ConfigError("loss.eps must be > 0")
             if self.gamma_decay_epochs is not None:
                 _positive("loss.gamma_decay_epochs", self.gamma_decay_epochs)
+        if self.tau_gradient is None:
+            self.tau_gradient = "fastclip_code" if self.temperature_rule == "rgcl_g" else "exact"
         if self.tau_gradient not in TAU_GRADIENTS:
             raise ConfigError(f"loss.tau_gradient must be one of {TAU_GRADIENTS}, got {self.tau_gradient!r}")
         if self.tau_gradient != "exact" and self.temperature_rule != "rgcl_g":
@@ -268,7 +299,12 @@ class OptimConfig:
     lr: float = 1e-3
     """Peak learning rate; fills "lr": "auto" in the DeepSpeed JSON's optimizer section."""
     weight_decay: float = 0.1
-    """Decoupled weight decay for weight matrices; biases, norms, embeddings and the temperature get none."""
+    """Decoupled weight decay of the tensors optim.weight_decay_rule picks; the temperature gets none."""
+    weight_decay_rule: str = "no_embeddings"
+    """Which tensors get weight decay: "no_embeddings" (matrices, but not embeddings, position embeddings
+    or class tokens), "fastclip" (all but 1-D tensors and names with bn, ln or bias: FastCLIP's and
+    OpenCLIP's rule) or "eva_clip" (all but 1-D tensors, *.bias and the towers' position embeddings and
+    class tokens: EVA-CLIP's rule, which decays the token embedding)."""
     warmup_steps: int = 100
     """Linear warm-up length in optimizer steps, then cosine decay to lr * min_lr_ratio."""
     min_lr_ratio: float = 0.0
@@ -278,9 +314,9 @@ class OptimConfig:
     text_lr: float | None = None
     """Peak lr of the text tower (EVA-CLIP B/16: 2e-5); null: optim.lr."""
     visual_weight_decay: float | None = None
-    """Weight decay of the vision tower's weight matrices; null: optim.weight_decay."""
+    """Weight decay of the vision tower's decayed tensors; null: optim.weight_decay."""
     text_weight_decay: float | None = None
-    """Weight decay of the text tower's weight matrices; null: optim.weight_decay."""
+    """Weight decay of the text tower's decayed tensors; null: optim.weight_decay."""
     visual_layer_decay: float = 1.0
     """Layer-wise lr decay of the vision tower: lr * decay^(L+1-l) for layer l of its L blocks (0.75)."""
     text_layer_decay: float = 1.0
@@ -308,6 +344,10 @@ class OptimConfig:
         _positive("optim.warmup_steps", self.warmup_steps, allow_zero=True)
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.weight_decay_rule not in WEIGHT_DECAY_RULES:
+            raise ConfigError(
+                f"optim.weight_decay_rule must be one of {WEIGHT_DECAY_RULES}, got {self.weight_decay_rule!r}"
+            )
         if self.lamb_trust_ratio not in LAMB_TRUST_RATIOS:
             raise ConfigError(
                 f"optim.lamb_trust_ratio must be one of {LAMB_TRUST_RATIOS}, got {self.lamb_trust_ratio!r}"

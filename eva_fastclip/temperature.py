@@ -4,9 +4,11 @@ Global rules act on the model's parameter theta = log(1/tau) (open_clip's ``logi
 - ``fixed``: theta is frozen.
 - ``learnable`` (OpenCLIP, FastCLIP-v0): theta learns through the loss, with the model's lr and schedule.
 - ``rgcl_g`` (FastCLIP-v3): theta learns through the RGCL-g surrogate in its own optimizer group (no
-  weight decay, constant lr ``temperature_lr``), and that lr is cut by ``temperature_lr_drop_factor``
-  the first time tau <= ``temperature_lr_drop_below`` (SPEC: "dropped once"; the reference code re-raises
-  it if tau climbs back). The loss decides theta's gradient (``tau_gradient``: exact or FastCLIP's code).
+  weight decay, constant lr ``temperature_lr``), and that lr is multiplied by ``temperature_lr_drop_factor``
+  while tau <= ``temperature_lr_drop_below``. FastCLIP's scheduler checks tau before every step, so the lr
+  goes back up if tau climbs above the threshold (``temperature_lr_drop_rule: every_step``, the default);
+  ``once`` keeps it dropped from the first time (SPEC's wording). The loss decides theta's gradient
+  (``tau_gradient``: FastCLIP's code or the exact one).
 After every applied step the global tau is clamped to [temperature_min, temperature_max].
 
 Individual rules keep tau_i per sample in the loss's per-sample table and step it inside the loss with
@@ -34,6 +36,7 @@ class TemperatureController:
     lr: float | None
     lr_drop_below: float | None
     lr_drop_factor: float
+    lr_drop_rule: str
     betas: tuple[float, float]
     momentum: float
     grad_clip: float
@@ -49,6 +52,7 @@ class TemperatureController:
             lr=cfg.temperature_lr,
             lr_drop_below=cfg.temperature_lr_drop_below,
             lr_drop_factor=cfg.temperature_lr_drop_factor,
+            lr_drop_rule=cfg.temperature_lr_drop_rule,
             betas=tuple(cfg.temperature_betas),
             momentum=cfg.temperature_momentum,
             grad_clip=cfg.temperature_grad_clip,
@@ -77,7 +81,12 @@ class TemperatureController:
     def after_applied_step(
         self, theta: float, set_theta: Callable[[float], None], set_group_lr: Callable[[float], None] | None
     ) -> float:
-        """Clamp the global tau and apply the rgcl_g lr drop; returns tau. Call only for applied steps."""
+        """Clamp the global tau and set rgcl_g's lr for the next step from it; returns tau.
+
+        Call after every applied step, and once before the first step (a start or resume at a tau at or
+        below the threshold trains its first step at the dropped lr, as FastCLIP's scheduler does).
+        ``set_group_lr`` is called only when the lr changes; ``lr_dropped`` says whether it is dropped.
+        """
         if not self.learns_global:
             return math.exp(-theta)
         low, high = self.logit_scale_bounds()
@@ -85,15 +94,15 @@ class TemperatureController:
             theta = min(max(theta, low), high)
             set_theta(theta)
         tau = math.exp(-theta)
-        if (
-            self.rule == "rgcl_g"
-            and self.lr_drop_below is not None
-            and not self.lr_dropped
-            and tau <= self.lr_drop_below
-        ):
-            self.lr_dropped = True
-            if set_group_lr is not None:
-                set_group_lr(self.lr * self.lr_drop_factor)
+        if self.rule == "rgcl_g":
+            # (a resumed run may have no threshold any more: its lr goes back up)
+            below = self.lr_drop_below is not None and tau <= self.lr_drop_below
+            kept = self.lr_dropped and self.lr_drop_rule == "once" and self.lr_drop_below is not None
+            dropped = below or kept
+            if dropped != self.lr_dropped:
+                self.lr_dropped = dropped
+                if set_group_lr is not None:
+                    set_group_lr(self.lr * (self.lr_drop_factor if dropped else 1.0))
         return tau
 
     def state_dict(self) -> dict:

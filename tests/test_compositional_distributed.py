@@ -21,8 +21,10 @@ B, D, WORLD, RHO, TAU = 8, 6, 2, 6.5, 0.05
 #: variant -> (loss name, LossConfig overrides)
 NAMES = ("sogclr", "fastclip_v0", "fastclip_v1", "fastclip_v2", "fastclip_v3", "isogclr")
 VARIANTS = {
-    **{name: (name, {}) for name in NAMES},
+    **{name: (name, {}) for name in NAMES},  # each loss's defaults: v3 with FastCLIP code's tau-gradient
     "fastclip_v3_code": ("fastclip_v3", {"tau_gradient": "fastclip_code"}),
+    "fastclip_v3_exact": ("fastclip_v3", {"tau_gradient": "exact"}),
+    "isogclr_momentum": ("isogclr", {"temperature_rule": "individual_momentum"}),
 }
 
 

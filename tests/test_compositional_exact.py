@@ -71,7 +71,7 @@ def test_gcl_variants(name):
 def test_rgcl_g_v3(eps):
     e1, e2 = unit_features(1)
     theta = torch.tensor([math.log(1 / 0.05)], dtype=torch.float64, requires_grad=True)
-    got, _, out = surrogate_grads("fastclip_v3", e1, e2, theta, rho=RHO, eps=eps)
+    got, _, out = surrogate_grads("fastclip_v3", e1, e2, theta, rho=RHO, eps=eps, tau_gradient="exact")
     expected = torch.autograd.grad(rgcl_g(e1, e2, 1 / theta.exp(), eps), (e1, e2, theta))
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-12)
@@ -91,7 +91,7 @@ def test_rgcl_g_v3_fastclip_code(eps):
     expected = torch.autograd.grad(reference, (e1, e2, theta))
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-12)
-    exact, _, _ = surrogate_grads("fastclip_v3", e1, e2, theta, rho=RHO, eps=eps)
+    exact, _, _ = surrogate_grads("fastclip_v3", e1, e2, theta, rho=RHO, eps=eps, tau_gradient="exact")
     for g, e in zip(got[:2], exact[:2]):
         torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-12)
     if eps == EPS:  # log u = log(u+eps) here: theta's gradient is RGCL-g's plus GCL's tau-derivative again
@@ -101,8 +101,11 @@ def test_rgcl_g_v3_fastclip_code(eps):
         assert not torch.allclose(got[2], exact[2], rtol=1e-3)
 
 
-@pytest.mark.parametrize("name", ["isogclr", "fastclip_v2"])
-def test_rgcl_individual(name):
+@pytest.mark.parametrize(
+    "name, rule",
+    [("isogclr", "individual_momentum"), ("isogclr", "individual_adam"), ("fastclip_v2", "individual_adam")],
+)
+def test_rgcl_individual(name, rule):
     e1, e2 = unit_features(2)
     tau_init = float(
         torch.tensor(0.05, dtype=torch.float32)
@@ -118,6 +121,7 @@ def test_rgcl_individual(name):
         temperature_init=tau_init,
         temperature_lr=1e-4,
         temperature_grad_clip=1e9,
+        temperature_rule=rule,
     )
     tau1 = torch.full((N,), tau_init, dtype=torch.float64, requires_grad=True)
     tau2 = torch.full((N,), tau_init, dtype=torch.float64, requires_grad=True)
@@ -133,10 +137,10 @@ def test_rgcl_individual(name):
     grad1, grad2 = 2 * N * expected[2], 2 * N * expected[3]
     for k, grad in ((1, grad1), (2, grad2)):
         new_tau = rows[:, loss_fn.state.column(f"tau{k}")]
-        if name == "isogclr":  # m = (1 - momentum)·grad, tau <- tau - lr·m
+        if rule == "individual_momentum":  # iSogCLR's own rule: m = (1 - momentum)·grad, tau <- tau - lr·m
             want = tau_init - 1e-4 * 0.5 * grad
             tol = dict(rtol=1e-6, atol=1e-9)  # the table stores float32
-        else:  # FastCLIP-v2 in epoch 0 (betas 0): lr · grad / (|grad| + 1e-8)
+        else:  # FastCLIP-v2's (and iSogCLR's in FastCLIP) in epoch 0 (betas 0): lr · grad / (|grad| + 1e-8)
             want = tau_init - 1e-4 * grad / (grad.abs() + 1e-8)
             tol = dict(rtol=1e-5, atol=1e-9)
         torch.testing.assert_close(new_tau, want, **tol)

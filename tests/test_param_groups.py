@@ -330,3 +330,65 @@ def test_build_optimizer_refuses_an_unresolved_deepspeed_config():
     ds["optimizer"]["params"].update(lr=1e-4, weight_decay=0.1)
     with pytest.raises(ValueError, match="resolve_deepspeed_config"):
         build_optimizer(ds, nn.Linear(2, 2), OptimConfig(lr=1e-3), cuda=False)
+
+
+# ---- optim.weight_decay_rule against the references' own rules, written out ------------------------
+
+
+def fastclip_decays(name: str, param: nn.Parameter) -> bool:
+    """FastCLIP's main.py (HEAD efd89d5, lines 316-318): `exclude` goes to the weight-decay-0 group, the
+    temperature to its own group (also without weight decay), the rest is decayed."""
+    exclude = (param.ndim < 2 and "logit_scale" not in name) or "bn" in name or "ln" in name or "bias" in name
+    return not exclude and "logit_scale" not in name
+
+
+#: EVA-CLIP's towers' no_weight_decay() sets with the tower prefix: EVA ViT {pos_embed, cls_token} (our
+#: timm trunk holds them), open_clip-style ViT {positional_embedding, class_embedding}, text
+#: {positional_embedding}; ModifiedResNet and Hugging Face towers have none.
+EVA_CLIP_SKIP = {
+    "test-vit-xs": {"visual.positional_embedding", "visual.class_embedding", "positional_embedding"},
+    "test-eva02-xs": {"visual.trunk.pos_embed", "visual.trunk.cls_token", "text.positional_embedding"},
+    "timm-vit": {"visual.trunk.pos_embed", "visual.trunk.cls_token", "text.positional_embedding"},
+    "hf-text": {"visual.positional_embedding", "visual.class_embedding"},
+    "test-rn-xs": {"positional_embedding"},
+}
+
+
+def eva_clip_decays(name: str, param: nn.Parameter, arch: str) -> bool:
+    """EVA-CLIP's rei/training/optim.py:97 (HEAD 5623d08): no decay for ndim <= 1, *.bias and the skip set."""
+    return not (param.ndim <= 1 or name.endswith(".bias") or name in EVA_CLIP_SKIP[arch])
+
+
+@pytest.mark.parametrize("arch", [*ARCHS, "test-rn-xs"])
+@pytest.mark.parametrize("rule", ["fastclip", "eva_clip"])
+def test_weight_decay_rules_follow_the_references(arch, rule, timm_vit_name):
+    if arch == "test-rn-xs":
+        model = create_model(ModelConfig(name="test-rn-xs")).model
+    else:
+        model, _ = _build(arch, timm_vit_name)
+    optim = OptimConfig(weight_decay=0.1, text_weight_decay=0.02, weight_decay_rule=rule)
+    owner = group_of(parameter_groups(model, optim, temperature_lr=2e-4))
+    reference = fastclip_decays if rule == "fastclip" else lambda n, p: eva_clip_decays(n, p, arch)
+    decayed = set()
+    for name, param in model.named_parameters():
+        group = owner[id(param)]
+        if reference(name, param):
+            decayed.add(name)
+            assert group["weight_decay"] == (0.02 if group["name"].startswith("text") else 0.1), name
+            assert group["name"].endswith(".decay"), name
+        else:
+            assert group["weight_decay"] == 0.0, name
+    # what sets the rules apart from ours ("no_embeddings"): both decay the token embedding, FastCLIP's
+    # the position embeddings too
+    custom_text = arch in ("test-eva02-xs", "timm-vit")
+    token = "text.token_embedding.weight" if custom_text else "token_embedding.weight"
+    if arch != "hf-text":
+        assert token in decayed
+    if rule == "fastclip" and arch in ("test-vit-xs", "test-eva02-xs"):
+        assert {"visual.positional_embedding", "visual.trunk.pos_embed"} & decayed
+
+
+def test_weight_decay_rule_is_validated():
+    with pytest.raises(ValueError, match="optim.weight_decay_rule must be one of"):
+        OptimConfig(weight_decay_rule="openclip")
+    assert OptimConfig().weight_decay_rule == "no_embeddings"

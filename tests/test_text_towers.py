@@ -69,6 +69,31 @@ def test_open_clip_checkpoint_loads_only_the_text_tower(tmp_path):
     assert len(target_text) == 5 + 12 * 2  # 2 embeddings, final norm (2), projection + 12 per block
 
 
+def test_text_checkpoint_skip_leaves_the_named_tensors_at_their_initialisation(tmp_path):
+    """EVA-CLIP's --skip-list text_projection: every other text tensor loads, the projection stays the
+    freshly initialised one; a name the tower lacks, or a skip list without a checkpoint, is refused."""
+    source = _model(0)
+    path = tmp_path / "clip.pt"
+    torch.save(source.state_dict(), path)
+    reference = _model(1)  # the same seed: what the projection is without the checkpoint
+    target = _model(1, text_checkpoint=str(path), text_checkpoint_skip=["text_projection"])
+    source_text, _ = _split(source)
+    reference_text, _ = _split(reference)
+    target_text, _ = _split(target)
+    assert torch.equal(target_text["text_projection"], reference_text["text_projection"])
+    assert not torch.equal(target_text["text_projection"], source_text["text_projection"])
+    del source_text["text_projection"], target_text["text_projection"]
+    _assert_same(target_text, source_text)
+
+    report = load_text_checkpoint(_model(2), path, skip=["text_projection"])
+    assert report.skipped == ["text_projection"] and "text_projection" not in report.loaded
+    assert not report.missing  # skipped is not missing: strict loading accepts it
+    with pytest.raises(ValueError, match=r"model.text_checkpoint_skip names 'text_proj'"):
+        load_text_checkpoint(_model(2), path, skip=["text_proj"])
+    with pytest.raises(ValueError, match="model.text_checkpoint, which is not set"):
+        ModelConfig(name=ARCH, text_checkpoint_skip=["text_projection"])
+
+
 @pytest.mark.parametrize(("source_custom", "target_custom"), [(False, True), (True, False)])
 def test_clip_and_custom_text_clip_names_map_both_ways(tmp_path, source_custom, target_custom):
     torch.manual_seed(0)

@@ -53,6 +53,7 @@ RULES: dict[str, Rule] = {
     "model.unmasked_final_steps": Rule(CHANGE),
     "model.vision_checkpoint": Rule(START, _FIRST),
     "model.text_checkpoint": Rule(START, _FIRST),
+    "model.text_checkpoint_skip": Rule(START, _FIRST),
     "model.text_hf_model": Rule(FIXED, "the text tower's architecture and tokenizer come from that folder"),
     "model.lock_text": Rule(FIXED, "it decides which parameters the optimizer and its saved state hold"),
     # the data may change: the epoch goes on at shard granularity (docs/checkpoints.md)
@@ -74,6 +75,7 @@ RULES: dict[str, Rule] = {
     "loss.temperature_lr": Rule(CHANGE),
     "loss.temperature_lr_drop_below": Rule(CHANGE),
     "loss.temperature_lr_drop_factor": Rule(CHANGE),
+    "loss.temperature_lr_drop_rule": Rule(CHANGE),
     "loss.temperature_betas": Rule(CHANGE),
     "loss.temperature_momentum": Rule(CHANGE),
     "loss.temperature_grad_clip": Rule(CHANGE),
@@ -85,6 +87,9 @@ RULES: dict[str, Rule] = {
     "loss.tau_gradient": Rule(CHANGE),
     "optim.lr": Rule(CHANGE),
     "optim.weight_decay": Rule(CHANGE),
+    "optim.weight_decay_rule": Rule(
+        FIXED, "it decides which parameters are in the decayed and the not decayed optimizer groups"
+    ),
     "optim.warmup_steps": Rule(
         FIXED, "the warm-up is the part of the lr schedule the checkpoint has started or finished"
     ),

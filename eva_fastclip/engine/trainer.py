@@ -182,6 +182,7 @@ class Trainer:
             built = resume_config.optimizer_settings(self.engine.lr_scheduler)  # from this run's config
             state = checkpoint.load_checkpoint(self.engine, folder, universal)
             self._restore(state, folder, universal, built)
+        self._after_applied_step()  # the first step's temperature lr follows tau too (rgcl_g)
 
         self.writer = None
         if self.is_main:
@@ -277,7 +278,7 @@ class Trainer:
                 )
 
     def _after_applied_step(self) -> None:
-        """The temperature controller's turn: clamp the global tau, drop its lr once (rgcl_g)."""
+        """The temperature controller's turn: clamp the global tau, set rgcl_g's lr for the next step."""
         if not self.temperature.learns_global:
             return
         param = self.bundle.model.logit_scale

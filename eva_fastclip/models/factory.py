@@ -52,7 +52,7 @@ def create_model(cfg: ModelConfig, *, temperature_init: float = 0.07) -> ModelBu
         with torch.no_grad():
             model.logit_scale.fill_(math.log(1.0 / temperature_init))
     if cfg.text_checkpoint is not None:  # OpenCLIP / OpenAI text weights; raises on any transformer gap
-        text_towers.load_text_checkpoint(model, cfg.text_checkpoint)
+        text_towers.load_text_checkpoint(model, cfg.text_checkpoint, skip=cfg.text_checkpoint_skip)
     make_logit_scale_1d(model)
     model.set_grad_checkpointing(cfg.grad_checkpointing)
     text_towers.set_text_grad_checkpointing(model, cfg.grad_checkpointing)

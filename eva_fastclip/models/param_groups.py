@@ -3,7 +3,8 @@
 Layer ids follow EVA-CLIP's ``get_layer_id``: in a tower with L blocks the embeddings are layer 0, block i is
 layer i + 1 and everything after the blocks (final norm, pooling, projection) is layer L + 1. A parameter
 at layer l gets ``tower_lr * layer_decay ** (L + 1 - l)``: the head trains at the tower's lr, the
-embeddings at the most decayed one. Weight decay applies to weight matrices only (``decays``).
+embeddings at the most decayed one. ``optim.weight_decay_rule`` picks the tensors that get weight
+decay (``decays``): ours, FastCLIP's (OpenCLIP's) or EVA-CLIP's; the temperature never gets any.
 
 There is one group per (tower, layer, decay or not), not one per lr value, as in EVA-CLIP: under ZeRO
 DeepSpeed flattens each group, and with ``optim.lamb_trust_ratio: per_zero_partition`` (FusedLamb's rule)
@@ -19,8 +20,23 @@ from torch import nn
 
 from eva_fastclip.config import OptimConfig
 
-# Substrings of parameter names that are embeddings or the temperature: never decayed (EVA-CLIP, OpenCLIP).
+# no_embeddings: substrings of names that are embeddings or the temperature, never decayed.
 _NO_DECAY_NAMES = ("logit_scale", "logit_bias", "embedding", "pos_embed", "cls_token", "class_embedding")
+# fastclip: FastCLIP's main.py (as OpenCLIP's) decays no name holding one of these, nor 1-D tensors.
+_FASTCLIP_NO_DECAY_PARTS = ("bn", "ln", "bias")
+# eva_clip: EVA-CLIP's towers list these in no_weight_decay() (EVA ViT: pos_embed, cls_token; open_clip ViT:
+# positional_embedding, class_embedding; text: positional_embedding, its token embedding is decayed).
+_EVA_CLIP_NO_DECAY = frozenset(
+    {
+        "visual.trunk.pos_embed",
+        "visual.trunk.cls_token",
+        "visual.positional_embedding",
+        "visual.class_embedding",
+        "text.positional_embedding",
+        "positional_embedding",  # CLIP's built-in text tower
+    }
+)
+_TEMPERATURE_NAMES = ("logit_scale", "logit_bias")
 
 #: Name of the temperature's own group; build_scheduler keeps this group's lr constant.
 TEMPERATURE_GROUP = "temperature"
@@ -70,9 +86,23 @@ _LAYOUTS: dict[str, tuple[_Layout, ...]] = {
 }
 
 
-def decays(name: str, param: nn.Parameter) -> bool:
-    """True for weight matrices; biases, norm gains (all 1-D), embeddings and the temperature are excluded."""
-    return param.ndim >= 2 and not any(part in name for part in _NO_DECAY_NAMES)
+def decays(name: str, param: nn.Parameter, rule: str = "no_embeddings") -> bool:
+    """Whether ``optim.weight_decay_rule`` ``rule`` decays this tensor; 1-D tensors (biases, norm gains)
+    and the temperature never.
+
+    - ``no_embeddings``: matrices, but not embeddings, position embeddings or class tokens;
+    - ``fastclip``: every tensor whose name holds none of bn, ln, bias (FastCLIP's and OpenCLIP's rule);
+    - ``eva_clip``: every tensor but ``*.bias`` and the towers' position embeddings and class tokens.
+    """
+    if param.ndim < 2 or name in _TEMPERATURE_NAMES:
+        return False
+    if rule == "no_embeddings":
+        return not any(part in name for part in _NO_DECAY_NAMES)
+    if rule == "fastclip":
+        return not any(part in name for part in _FASTCLIP_NO_DECAY_PARTS)
+    if rule == "eva_clip":
+        return not name.endswith(".bias") and name not in _EVA_CLIP_NO_DECAY
+    raise ValueError(f"optim.weight_decay_rule={rule!r} is unknown")
 
 
 def tower_of(name: str) -> str | None:
@@ -187,7 +217,7 @@ def parameter_groups(
     groups: dict[tuple, dict[str, Any]] = {}
     for name, param in named:
         tower = tower_of(name)
-        decay = decays(name, param)
+        decay = decays(name, param, optim.weight_decay_rule)
         kind = "decay" if decay else "no_decay"
         if tower is None and name == "logit_scale":
             own_lr = temperature_lr is not None

@@ -39,11 +39,14 @@ class TextLoadReport:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    """Tensors of the model left at their initialisation on request (``skip``)."""
 
     def summary(self) -> str:
         return (
             f"text tower from {self.path} ({self.source_format}): {len(self.loaded)} tensors loaded, "
             f"{len(self.missing)} missing, {len(self.unexpected)} unexpected, {len(self.ignored)} ignored"
+            + (f", {len(self.skipped)} skipped ({_quote(self.skipped)})" if self.skipped else "")
         )
 
 
@@ -103,8 +106,14 @@ def _quote(names: list[str]) -> str:
 # ---------------------------------------------------------------------------------------------- loading
 
 
-def load_text_checkpoint(model: nn.Module, path: str | Path, *, strict: bool = True) -> TextLoadReport:
+def load_text_checkpoint(
+    model: nn.Module, path: str | Path, *, strict: bool = True, skip: list[str] | tuple[str, ...] = ()
+) -> TextLoadReport:
     """Load only the text tower of ``model`` from an open_clip checkpoint or OpenAI's CLIP file.
+
+    ``skip`` names tower tensors (or modules: ``text_projection`` covers ``text_projection.weight``) that
+    are not loaded and keep their initialisation (``model.text_checkpoint_skip``); a name that matches
+    nothing of the tower is an error.
 
     Every tensor under the tower's ``transformer`` must load with the model's shape, or ValueError names the
     file and the problem (never a silent partial load). With ``strict`` any other missing or unexpected text
@@ -120,6 +129,17 @@ def load_text_checkpoint(model: nn.Module, path: str | Path, *, strict: bool = T
     _match_projection(source, target)
 
     report = TextLoadReport(str(path), fmt)
+    for name in skip:
+        matched = [k for k in target if k == name or k.startswith(name + ".")]
+        if not matched:
+            raise ValueError(
+                f"model.text_checkpoint_skip names {name!r}, which is no tensor of this model's text tower "
+                f"(it has e.g. {_quote(sorted(k for k in target if not k.startswith('transformer.')))})"
+            )
+        for key in matched:
+            target.pop(key)
+            source.pop(key, None)
+            report.skipped.append(key)
     report.ignored = sorted(k for k in source if k not in target and _is_rebuilt(k))
     report.unexpected = sorted(k for k in source if k not in target and not _is_rebuilt(k))
     report.missing = sorted(k for k in target if k not in source)
