@@ -480,9 +480,9 @@ def plot_curves(records: list[dict[str, Any]], path: Path, title: str = "") -> P
 
 
 def machine() -> str:
-    from eva_fastclip.bench.speed import _cpu_model
+    from eva_fastclip.bench.speed import cpu_model
 
-    text = f"{_cpu_model()}, {len(os.sched_getaffinity(0))} cores"
+    text = f"{cpu_model()}, {len(os.sched_getaffinity(0))} cores"
     import torch
 
     if torch.cuda.is_available():

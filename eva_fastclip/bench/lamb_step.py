@@ -15,7 +15,6 @@ step and the ratios to the per-partition step. On K ranks the per-tensor rule ad
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import time
 from datetime import date
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from eva_fastclip.bench.speed import cpu_model
 from eva_fastclip.engine.lamb import Fragment, Lamb
 
 PER_PARTITION, PER_TENSOR, FUSED = "per_zero_partition", "per_tensor", "fused_lamb"
@@ -173,12 +173,4 @@ def _timed_step(optimizer: torch.optim.Optimizer, device: torch.device) -> float
 
 
 def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "CPU"
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()

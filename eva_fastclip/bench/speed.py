@@ -202,7 +202,8 @@ def _synchronized_time() -> float:
 # ---- the run ------------------------------------------------------------------------------------------
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The processor's name as /proc/cpuinfo gives it (benchmarks record it beside their figures)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -356,7 +357,7 @@ def run_speed_benchmark(
         "ratios": ratios,
         "environment": {
             **_versions(),
-            "cpu_model": _cpu_model(),
+            "cpu_model": cpu_model(),
             "cpu_count": os.cpu_count(),
             "torch_threads": threads,
             "cuda": torch.cuda.is_available(),
