@@ -280,7 +280,7 @@ def test_train_ranks_never_run_dry(tmp_path, tokenize):
     # 3 shards for 2 ranks x 2 workers, and an epoch longer than the data: every rank still gets full batches.
     shards = make_indexed_shards(tmp_path, count=20, per_shard=8)
     for rank in range(2):
-        with pytest.warns(UserWarning, match="share shards"):
+        with pytest.warns(UserWarning, match="the shards hold 20 samples, fewer than an epoch's 54"):
             loader = TrainLoader(
                 [str(shards)],
                 preprocess=PREPROCESS,
@@ -607,6 +607,7 @@ def test_dry_run_says_where_the_sizes_come_from(toy_dir, capsys):
         "num_samples_from": "manifest.json",
         "index_size": 40,
         "index_size_from": "manifest.json",
+        "epoch_split": "samples",  # the manifest counts every shard
     }
     assert main(argv + ["--set", "data.num_samples=16", "--dry-run"]) == 0
     printed = json.loads(capsys.readouterr().out)["data"]
@@ -615,6 +616,7 @@ def test_dry_run_says_where_the_sizes_come_from(toy_dir, capsys):
         "num_samples_from": "data.num_samples",
         "index_size": None,  # the OpenCLIP loss keeps no per-sample table
         "index_size_from": None,
+        "epoch_split": "samples",
     }
     missing = ["--set", f'data.train_shards=["{toy_dir / "nowhere"}"]', "--dry-run"]
     assert main([*argv, *missing]) == 2  # printed, and an error

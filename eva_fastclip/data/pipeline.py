@@ -56,6 +56,8 @@ _MAX_FAILURES_IN_A_ROW = 1000
 #: how a zero-shot prompt template marks the class name: clip_benchmark's "{c}", or "{}"
 TEMPLATE_PLACEHOLDERS = ("{c}", "{}")
 _WARNINGS_PER_PROCESS = 10
+#: samples first <= number < stop of a shard (stop None: to its end), numbered as TrainLoader keeps them
+Segment = tuple[str, int, int | None]
 _META_MEMBER = re.compile(r"__[^/]*__($|/)")  # webdataset's metadata files: not part of any sample
 
 Preprocess = Callable[[PIL.Image.Image], Tensor]
@@ -298,19 +300,35 @@ class TrainLoader:
                 else f"{self.dataset_size} rows (from {self.sizes.index_size_from})",
             )
         self.num_batches = num_samples // (batch_size * world_size)
+        self._epoch_samples = self.num_batches * batch_size * world_size  # the remainder is left out
         if self.num_batches < 1:
             raise ValueError(
                 f"{num_samples} samples per epoch do not fill one batch of {batch_size} on each of "
                 f"{world_size} ranks; lower the batch size or raise data.num_samples"
             )
+        # each shard's count, where the records give them all and they hold the epoch: the epoch is then
+        # split between the consumers (rank x worker) at sample granularity
+        counts = self.sizes.shard_counts
+        self._shard_counts = counts if counts and sum(counts) >= self._epoch_samples else None
         consumers = world_size * max(workers, 1)
-        if not resampled and len(self.urls) < consumers:
-            warnings.warn(
-                f"{len(self.urls)} shards for {world_size} ranks x {max(workers, 1)} loader workers: "
-                "consumers will share shards, so samples repeat within an epoch; write smaller shards "
-                "or use fewer workers",
-                stacklevel=2,
-            )
+        if not resampled and self._shard_counts is None:
+            # whole shards per consumer: some read one shard more than others, wrap or are cut
+            spare = len(self.urls) % consumers
+            uneven = min(spare, consumers - spare) * math.ceil(num_samples / len(self.urls))
+            if counts is not None:
+                why = f"the shards hold {sum(counts)} samples, fewer than an epoch's {self._epoch_samples}"
+                uneven = self._epoch_samples - sum(counts)
+            else:
+                why = "no record (manifest.json, sizes.json, *_stats.json) counts the samples of every shard"
+                uneven = num_samples if len(self.urls) < consumers else uneven
+            if uneven:
+                warnings.warn(
+                    f"{why}: {world_size} ranks x {max(workers, 1)} loader workers read whole shards of the "
+                    f"{len(self.urls)}, so up to about {uneven} samples an epoch repeat and as many may not "
+                    "be drawn. Write the counts (eva-fastclip make-shards, OpenCLIP's sizes.json) and an "
+                    "epoch no larger than the data to draw every sample once",
+                    stacklevel=2,
+                )
         self._failures = _FailureLog(max_in_a_row=_MAX_FAILURES_IN_A_ROW + shuffle_buffer)
 
     @staticmethod
@@ -375,8 +393,8 @@ class TrainLoader:
             self._resume = {int(worker): tuple(stream) for worker, stream in state["streams"].items()}
             self._streams = dict(self._resume)
             return True
-        if self.resampled:
-            self._offset = batches
+        if self.resampled or self._shard_counts is not None:
+            self._offset = batches  # each worker skips its share of the batches done (_epoch_segment)
         else:
             self._offset = min(len(self.urls) - 1, batches * len(self.urls) // self.num_batches)
         return False
@@ -393,6 +411,10 @@ class TrainLoader:
             "resampled": self.resampled,
             "shuffle_buffer": self.shuffle_buffer,
             "shards": zlib.crc32("\n".join(os.path.basename(url) for url in self.urls).encode()),
+            # a checkpoint of whole-shard streams (or other counts) must not be continued as segments
+            "plan": "whole shards"
+            if self._shard_counts is None
+            else zlib.crc32(str(self._shard_counts).encode()),
         }
 
     def __len__(self) -> int:
@@ -443,13 +465,62 @@ class TrainLoader:
         for pass_number in itertools.count(resume[0] if resume else 0):
             order = list(self.urls)
             random.Random(f"shards:{self.seed}:{epoch}:{pass_number}").shuffle(order)  # same on every rank
-            if pass_number == 0:
-                order = order[self._offset :]  # an approximately resumed epoch: the shards read already
-            # With too few shards, consumers share them rather than run dry.
-            mine = order[consumer::consumers] if len(order) >= consumers else [order[consumer % len(order)]]
+            if pass_number <= 1 and self._shard_counts is not None:
+                mine = self._epoch_segments(epoch, worker, num_workers)[pass_number]
+            else:
+                # whole shards; a later pass only where a consumer ran short (samples skipped, a shard
+                # holding fewer than its record says): it must still fill its batches
+                if pass_number == 0:
+                    order = order[self._offset :]  # an approximately resumed epoch: the shards read already
+                # With too few shards, consumers share them rather than run dry.
+                mine = (
+                    order[consumer::consumers] if len(order) >= consumers else [order[consumer % len(order)]]
+                )
             rng = random.Random(f"samples:{self.seed}:{epoch}:{pass_number}:{self.rank}:{worker}")
             yield from self._pass(worker, pass_number, iter(mine), rng, resume)
             resume = None
+
+    def _epoch_segments(
+        self, epoch: int, worker: int, num_workers: int
+    ) -> tuple[list[Segment], list[Segment]]:
+        """What this rank's ``worker`` reads in passes 0 and 1 of ``epoch``, as (shard, first, stop) sample
+        numbers of shards (stop None: to the shard's end).
+
+        Every rank orders the shards alike from (seed, epoch), so their samples line up in one sequence of
+        which the first num_batches x batch x ranks make the epoch; the rest, under one global batch, is
+        the remainder. Rank r's block of the epoch is its num_batches x batch samples, and within it each
+        worker's range holds as many samples as its round-robin share of the rank's batches needs. So the
+        ranges tile the epoch: every sample once, a shard split between consumers where a range ends inside
+        it: that is pass 0. A worker whose range runs short (samples skipped as unusable) goes on to pass 1:
+        its own share of the remainder, the rest of the remainder, then the rest of the sequence; each
+        skipped sample is replaced by one sample, drawn twice at worst (a pass of its own, so the shuffle
+        buffer drains the range first). An
+        approximately resumed epoch (another layout) starts each range after its share of the batches done.
+        """
+        counts = self._shard_counts
+        order = list(range(len(self.urls)))
+        random.Random(f"shards:{self.seed}:{epoch}:0").shuffle(order)  # the permutation of pass 0's order
+        quotas = [len(range(w, self.num_batches, num_workers)) * self.batch_size for w in range(num_workers)]
+        start = self.rank * self.num_batches * self.batch_size + sum(quotas[:worker])
+        stop = start + quotas[worker]
+        start += len(range(worker, self._offset, num_workers)) * self.batch_size
+        epoch_end, total = self._epoch_samples, sum(counts)
+        consumer, consumers = self.rank * num_workers + worker, self.world_size * num_workers
+        spare = epoch_end + (total - epoch_end) * consumer // consumers  # where its share of the remainder is
+        ranges = [(start, stop), (spare, total), (epoch_end, spare), (stop, epoch_end), (0, start)]
+        segments: list[list[Segment]] = [[], []]
+        for number, (low, high) in enumerate(ranges):
+            position = 0
+            for shard in order:
+                first, last = max(low, position), min(high, position + counts[shard])
+                if first < last:
+                    to_end = last == position + counts[shard]  # then what follows its last sample is ours
+                    segment = (self.urls[shard], first - position, None if to_end else last - position)
+                    segments[min(number, 1)].append(segment)
+                position += counts[shard]
+                if position >= high:
+                    break
+        return segments[0], segments[1]
 
     def _pass(
         self, worker: int, pass_number: int, shard_urls: Iterator[str], rng: random.Random, resume
@@ -529,48 +600,67 @@ class TrainLoader:
         stream.counts.append(stream.read)
         stream.read = 0
 
-    def _read(self, shard_urls: Iterable[str]) -> Iterator[dict[str, Any]]:
-        for url in shard_urls:
-            yield from self._shard_samples(url)
+    def _read(self, shard_urls: Iterable[str | Segment]) -> Iterator[dict[str, Any]]:
+        """The samples of whole shards, or of segments (shard, first, stop) of them."""
+        for item in shard_urls:
+            url, first, stop = (item, 0, None) if isinstance(item, str) else item
+            yield from self._shard_samples(url, first, stop)
 
-    def _shard_samples(self, url: str) -> Iterator[dict[str, Any]]:
-        """One shard's undecoded samples: its members grouped by key as webdataset groups them, except that
-        a key names one sample. A later group under a key seen before in the shard (right after it or
-        further on) is skipped and counted and the first kept, where webdataset drops the repeat member by
-        member, or merges the two. A read error ends the shard and every sample before it is kept: a
-        sample cut after some of its members is passed on and judged like any other; one cut at its first
-        member is counted as incomplete at once, before the sample ahead of it is passed on."""
+    def _shard_samples(self, url: str, first: int = 0, stop: int | None = None) -> Iterator[dict[str, Any]]:
+        """One shard's undecoded samples numbered ``first`` up to ``stop`` (None: its end): its members
+        grouped by key as webdataset groups them, except that a key names one sample. A later group under a
+        key seen before in the shard (right after it or further on) is skipped and counted and the first
+        kept, where webdataset drops the repeat member by member, or merges the two. A read error ends the
+        shard and every sample before it is kept: a sample cut after some of its members is passed on and
+        judged like any other; one cut at its first member is counted as incomplete at once, before the
+        sample ahead of it is passed on.
+
+        Samples are numbered as kept, so every reader of the shard numbers them alike; those before
+        ``first`` are read past (their bytes, never decoded), and a problem is counted only by the reader
+        whose numbers it falls among, so a shard split between consumers counts each skip once."""
         seen: set[str] = set()
         group: dict[str, Any] | None = None
         failed = False
+        kept = 0  # samples kept so far: the number of the next one
+
+        def ours() -> bool:
+            return first <= kept and (stop is None or kept < stop)
+
         for key, extension, data in _tar_members(url):
             new = key is not None and (group is None or group["__key__"] != key or extension in group)
             if isinstance(data, Exception):
                 failed = True
-                self._failures.warn(f"{url}: unreadable from here on, the rest is lost: {data!r}")
-                if new:
-                    message = f"shard {url}, sample {key!r}: cut short at its first member ({data!r})"
-                    self._failures.skip(_BadSample("incomplete", url, message))
-                elif group is None:  # not one member could be read
-                    self._failures.skip(_BadSample("unreadable_shard", url, f"{url}: {data!r}"))
+                if ours():
+                    self._failures.warn(f"{url}: unreadable from here on, the rest is lost: {data!r}")
+                    if new:
+                        message = f"shard {url}, sample {key!r}: cut short at its first member ({data!r})"
+                        self._failures.skip(_BadSample("incomplete", url, message))
+                    elif group is None:  # not one member could be read
+                        self._failures.skip(_BadSample("unreadable_shard", url, f"{url}: {data!r}"))
                 break  # the last item: the shard's stream is broken
             if new:
-                if group is not None and self._first_of_key(group, seen):
-                    yield group
+                if group is not None and self._first_of_key(group, seen, count=ours()):
+                    if kept >= first:
+                        yield group
+                    kept += 1
+                    if stop is not None and kept >= stop:
+                        return
                 group = {"__key__": key, "__url__": url}
             group[extension] = data
         if group is not None:
-            if self._first_of_key(group, seen):
+            if self._first_of_key(group, seen, count=ours()) and kept >= first:
                 yield group
-        elif not failed:
+        elif not failed and first == 0:
             self._failures.note_empty_shard(url)
 
-    def _first_of_key(self, group: dict[str, Any], seen: set[str]) -> bool:
-        """Whether ``group`` is the first under its key in its shard; a repeat is counted as a skip."""
+    def _first_of_key(self, group: dict[str, Any], seen: set[str], count: bool = True) -> bool:
+        """Whether ``group`` is the first under its key in its shard; a repeat is counted as a skip (where
+        ``count``)."""
         key = group["__key__"]
         if key in seen:
-            message = f"shard {group['__url__']}: key {key!r} again; the first sample under it is kept"
-            self._failures.skip(_BadSample("duplicate_key", group["__url__"], message))
+            if count:
+                message = f"shard {group['__url__']}: key {key!r} again; the first sample under it is kept"
+                self._failures.skip(_BadSample("duplicate_key", group["__url__"], message))
             return False
         seen.add(key)
         return True

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,10 @@ class DataSizes:
     """Rows of the per-sample table (every index lies in [0, index_size)); None when no loss needs it."""
     index_size_from: str | None
     """Where it was read: "data.index_size" or the records; None with index_size."""
+    shard_counts: tuple[int, ...] | None = field(default=None, compare=False)
+    """Samples of each shard, in the order of the URLs, where a record counts every one of them (our
+    manifest, sizes.json, _stats.json); None otherwise. Lets an epoch be split at sample granularity. Left
+    out of equality: two DataSizes are the same sizes from the same records, whatever the split."""
 
 
 class _NoRecord(Exception):
@@ -74,6 +78,7 @@ def resolve_sizes(
     naming the config key to set when a number is neither given nor recorded.
     """
     records = _Records(index_key)
+    shard_counts = records.shard_counts(urls)
     num_from = "data.num_samples"
     if num_samples is None:
         try:
@@ -100,7 +105,7 @@ def resolve_sizes(
             ) from None
         if index_size < 1:
             raise ValueError(f"the records of the shards hold no index ({index_from}); set data.index_size")
-    return DataSizes(num_samples, num_from, index_size, index_from)
+    return DataSizes(num_samples, num_from, index_size, index_from, shard_counts)
 
 
 def _beside(shard: Path, suffix: str) -> Path:
@@ -187,6 +192,19 @@ class _Records:
         record = _read_json(stats)
         successes = record.get("successes") if isinstance(record, dict) else None
         return _count(successes, f"{stats}, 'successes'"), FROM_STATS
+
+    def shard_counts(self, urls: Sequence[str]) -> tuple[int, ...] | None:
+        """Each shard's count, where a record gives every one of them (else None)."""
+        counts = []
+        for url in urls:
+            try:
+                count = None if is_remote(url) else self._shard_count(Path(url))
+            except ValueError:  # a malformed record: num_samples() names it where the count is needed
+                count = None
+            if count is None:
+                return None
+            counts.append(count[0])
+        return tuple(counts)
 
     def num_samples(self, urls: Sequence[str]) -> tuple[int, str]:
         """Samples in ``urls`` (a shard listed twice counts twice) and the records they came from."""

@@ -427,6 +427,10 @@ def needs_index(cfg: ExperimentConfig) -> bool:
 def sizes_dict(report: Report) -> dict[str, Any]:
     """The dry-run's "data" entry: the sizes and where they come from, or why they were not read."""
     if report.sizes is not None:
-        return asdict(report.sizes)
+        sizes = asdict(report.sizes)
+        counted = sizes.pop("shard_counts") is not None
+        # how the loader splits an epoch between its consumers (data.md: every sample once)
+        sizes["epoch_split"] = "samples" if counted else "whole shards (counts unknown)"
+        return sizes
     why = [str(p) for p in report.problems if p.key.startswith("data.")]
     return {"not_checked": "; ".join(why) or "the training shards were not read"}
