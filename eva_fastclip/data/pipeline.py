@@ -3,9 +3,11 @@
 The training stream is endless inside each loader worker and cut to exactly ``num_batches`` per rank and
 epoch: a rank that stopped early would leave the others waiting in a collective forever.
 
-- Epoch-wise: every rank shuffles the shard list identically from (seed, epoch, pass) and takes its
-  rank x worker share; a worker that finishes its share starts the next pass. With at least as many
-  shards as rank x worker consumers and evenly sized data, pass 0 covers the epoch: every sample once.
+- Epoch-wise: every rank shuffles the shard list identically from (seed, epoch). With every shard's
+  count known, each rank x worker consumer reads its own range of that sample sequence in pass 0 (a shard
+  split between consumers where a range ends inside it): every sample once, the remainder (under one
+  global batch) left out; pass 1 tops up a consumer that ran short. Without counts, each consumer takes
+  whole shards of the order, and a worker that finishes its share starts the next pass.
 - Resampled: shards are drawn with replacement, weighted per source, seeded by (seed, epoch, rank, worker).
 
 The shuffle buffer restarts with every pass, so samples of the next pass never overtake this one's.
@@ -379,8 +381,9 @@ class TrainLoader:
         workers, batch, seed, shards, shuffle buffer): each worker's stream is rebuilt where it stood. The
         shuffle is replayed on sample numbers, which costs no reading (its draws depend on counts alone),
         and only the samples still in the buffer and the shard being read are read again. Otherwise
-        approximately, at the granularity of shards: an epoch-wise epoch skips the share of its shard order
-        that ``batches`` stands for, a resampled one draws a stream of its own.
+        approximately: an epoch-wise epoch with every shard counted skips each worker's share of the
+        ``batches`` done at sample granularity (:meth:`_epoch_segments`), one without counts the share of
+        its shard order that ``batches`` stands for; a resampled one draws a stream of its own.
         """
         self.set_epoch(epoch)
         self._start = self._batches = batches

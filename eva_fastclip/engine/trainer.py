@@ -365,7 +365,7 @@ class Trainer:
     def _epoch_batches(self):
         """This epoch's remaining micro-batches. A resumed epoch goes on in the same order after the
         micro-batches its checkpoint's run had taken: TrainLoader.resume rebuilds its streams there (exactly
-        with this rank's saved position, else at shard granularity); a stand-in loader is read from the
+        with this rank's saved position, else approximately: docs/data.md); a stand-in loader is read from the
         epoch's start and the taken batches dropped."""
         start, position, self._loader_position = self.micro_in_epoch, self._loader_position, None
         self.loss.set_epoch(self.epoch)
