@@ -16,7 +16,7 @@ from torchvision import transforms
 
 from eva_fastclip.config import load_config
 from eva_fastclip.data import TrainLoader, write_shard
-from eva_fastclip.data.pipeline import SKIP_REASONS
+from eva_fastclip.data.tar_reader import SKIP_REASONS
 from eva_fastclip.engine.setup import load_deepspeed_config
 from eva_fastclip.engine.trainer import Trainer
 
@@ -148,9 +148,36 @@ def test_an_epoch_delivers_every_good_sample_and_counts_every_bad_one(corpus, to
     assert loader.skipped == sum(expected_skips(needs_index).values())
 
 
-def test_a_run_over_corrupt_shards_finishes_and_logs_every_skip(corpus, tmp_path, caplog):
-    output_dir = tmp_path / "run"
-    cfg = load_config(
+@pytest.mark.parametrize("workers", [0, 2])
+def test_skip_counts_go_on_after_a_resume(corpus, tokenize, workers):
+    """A resumed loader's counts go on from its checkpoint's (they started at 0 again, and the workers'
+    read-ahead made them depend on timing): after every batch, and after the epoch, it reports what the
+    uninterrupted loader reports at that batch."""
+
+    def loader():
+        return TrainLoader(
+            corpus, preprocess=PREPROCESS, tokenize=tokenize, batch_size=2, num_samples=16,
+            index_size=INDEX_SIZE, shuffle_buffer=4, workers=workers,
+        )  # fmt: skip
+
+    whole = loader()
+    uninterrupted = [whole.skipped_by_reason for _ in whole]
+    assert uninterrupted[-1] == expected_skips(needs_index=True)  # the epoch passes over every bad sample
+    for stop in range(1, len(uninterrupted)):
+        first = loader()
+        for taken, _ in enumerate(first, start=1):
+            if taken == stop:
+                break
+        state = first.state_dict()
+        assert state["skipped"] == uninterrupted[stop - 1]
+        second = loader()
+        second.load_skipped(state["skipped"])
+        assert second.resume(0, stop, state)  # exactly: the same streams read again
+        assert [second.skipped_by_reason for _ in second] == uninterrupted[stop:], stop
+
+
+def corrupt_run_config(corpus: list[str], output_dir: Path, *overrides: str):
+    return load_config(
         "configs/toy.json",
         [
             "model.name=test-vit-xs",
@@ -167,8 +194,22 @@ def test_a_run_over_corrupt_shards_finishes_and_logs_every_skip(corpus, tmp_path
             "optim.warmup_steps=1",
             "eval.zeroshot_dir=null",
             "eval.retrieval_shards=null",
+            *overrides,
         ],
     )
+
+
+def last_skip_counts(output_dir: Path) -> tuple[int, dict[str, float]]:
+    """The step and the counts by reason of the last train/data/skipped* in TensorBoard."""
+    events = EventAccumulator(str(output_dir / "tensorboard"))
+    events.Reload()
+    step = events.Scalars("train/data/skipped")[-1].step
+    return step, {reason: events.Scalars(f"train/data/skipped/{reason}")[-1].value for reason in SKIP_REASONS}
+
+
+def test_a_run_over_corrupt_shards_finishes_and_logs_every_skip(corpus, tmp_path, caplog):
+    output_dir = tmp_path / "run"
+    cfg = corrupt_run_config(corpus, output_dir)
     trainer = Trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config))
     with caplog.at_level(logging.WARNING, logger="eva_fastclip.engine.trainer"):
         trainer.train()
@@ -180,12 +221,7 @@ def test_a_run_over_corrupt_shards_finishes_and_logs_every_skip(corpus, tmp_path
 
     expected = expected_skips(needs_index=True)
     total = sum(expected.values())
-    events = EventAccumulator(str(output_dir / "tensorboard"))
-    events.Reload()
-    last = events.Scalars("train/data/skipped")[-1]
-    assert (last.step, last.value) == (4, total)
-    for reason, count in expected.items():
-        assert events.Scalars(f"train/data/skipped/{reason}")[-1].value == count, reason
+    assert last_skip_counts(output_dir) == (4, expected)
 
     lines = [record.getMessage() for record in caplog.records]
     lines = [line for line in lines if "samples skipped so far" in line]
@@ -193,6 +229,18 @@ def test_a_run_over_corrupt_shards_finishes_and_logs_every_skip(corpus, tmp_path
     assert f"{total} samples skipped so far on 1 rank(s)" in lines[-1]
     for reason, count in expected.items():
         assert (f"{reason} {count}" in lines[-1]) == (count > 0), lines[-1]
+
+
+def test_a_resumed_run_logs_the_skips_of_the_whole_run(corpus, tmp_path):
+    """Two steps, a save, and a resumed run to the epoch's end: TensorBoard's last counts are the whole
+    epoch's, as in the run without a stop (they restarted at 0 with the resumed run)."""
+    output_dir = tmp_path / "run"
+    for steps, resume in ((2, None), (4, "latest")):
+        cfg = corrupt_run_config(corpus, output_dir, f"train.steps={steps}", "train.save_every_steps=2")
+        trainer = Trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), resume=resume)
+        trainer.train()
+        assert trainer.step == steps
+    assert last_skip_counts(output_dir) == (4, expected_skips(needs_index=True))
 
 
 @pytest.mark.parametrize("workers", [0, 1])

@@ -32,7 +32,7 @@ from eva_fastclip.data import (
     write_shards,
     write_toy_dataset,
 )
-from eva_fastclip.data import pipeline as pipeline_module
+from eva_fastclip.data import train_loader as train_loader_module
 from eva_fastclip.data.toy import COLORS
 
 PREPROCESS = transforms.Compose([transforms.Resize((8, 8)), transforms.ToTensor()])
@@ -399,7 +399,7 @@ def test_unreadable_shard_is_skipped(tmp_path, tokenize):
 
 
 def test_data_that_never_decodes_fails_loudly(tmp_path, tokenize, monkeypatch):
-    monkeypatch.setattr(pipeline_module, "_MAX_FAILURES_IN_A_ROW", 20)
+    monkeypatch.setattr(train_loader_module, "_MAX_FAILURES_IN_A_ROW", 20)
     shards = make_indexed_shards(tmp_path, count=4, per_shard=4, corrupt=(0, 1, 2, 3))
     loader = TrainLoader(
         [str(shards)], preprocess=PREPROCESS, tokenize=tokenize, batch_size=2, shuffle_buffer=0, workers=0
@@ -449,7 +449,8 @@ def test_unusable_index_is_skipped_and_counted_when_state_needs_it(tmp_path, tok
     assert positions == [[0, 2], [4, 6]]  # the samples with a usable index, with their own images
     for (_, tokens, _), rows in zip(batches, positions):
         assert torch.equal(tokens, tokenize([f"sample {row}" for row in rows]))
-    assert loader.skipped == 4  # missing key, 12 >= index_size, "n/a", no .json
+    # missing key, 12 >= index_size, "n/a"; s007 (no .json) lies past the epoch's last sample: not drawn
+    assert loader.skipped_by_reason["no_usable_index"] == loader.skipped == 3
 
 
 def test_unusable_index_never_matters_without_per_sample_state(tmp_path, tokenize):
@@ -532,7 +533,7 @@ def test_foreign_manifest_never_blocks(tmp_path, tokenize, caplog):
     assert loader.sizes == DataSizes(8, "sizes.json", 8, "data.index_size")
     assert sorted(index for batch in loader for index in check_batch(batch, tokenize, 4)) == list(range(8))
     # a folder source reads its *.tar files instead, and says so
-    with caplog.at_level(logging.INFO, logger="eva_fastclip.data.pipeline"):
+    with caplog.at_level(logging.INFO, logger="eva_fastclip.data.urls"):
         assert expand_urls(str(shards)) == expand_urls(pattern)
     assert "another tool's" in caplog.text
     (shards / "manifest.json").write_text("format: not json at all\n")

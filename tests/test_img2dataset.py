@@ -5,6 +5,7 @@
 downloaded, ``{shard:05d}.parquet`` with every input row, failures included, and ``{shard:05d}_stats.json``.
 """
 
+import collections
 import hashlib
 import io
 import json
@@ -207,6 +208,34 @@ def test_a_fastclip_v3_run_trains_on_img2dataset_shards(downloaded, tmp_path):
     assert touched == set(written)
 
 
+def test_a_run_reads_each_record_once(downloaded, tmp_path, monkeypatch):
+    """The run's set-up reads each _stats.json and each parquet once (rank 0 reads, every rank's loader is
+    handed the sizes), where it read each _stats.json twice on every rank, and the loader knows each shard's
+    count, as the records say."""
+    from eva_fastclip.data import sizes as sizes_module
+
+    out, _ = downloaded
+    opened = collections.Counter()
+    read_json, parquet_bound = sizes_module._read_json, sizes_module._parquet_bound
+
+    def counted_json(path):
+        opened[path.name] += 1
+        return read_json(path)
+
+    def counted_bound(path, column):
+        opened[path.name] += 1
+        return parquet_bound(path, column)
+
+    monkeypatch.setattr(sizes_module, "_read_json", counted_json)
+    monkeypatch.setattr(sizes_module, "_parquet_bound", counted_bound)
+    trainer = make_trainer(out, "fastclip_v3", tmp_path)
+    assert opened == {
+        f"0000{shard}{record}": 1 for shard in range(3) for record in ("_stats.json", ".parquet")
+    }
+    stats = [json.loads((out / f"0000{shard}_stats.json").read_text())["successes"] for shard in range(3)]
+    assert trainer.loader.sizes.shard_counts == tuple(stats)
+
+
 def make_trainer(shards, loss, output_dir, *overrides):
     cfg = load_config(
         "configs/toy.json",
@@ -252,3 +281,15 @@ def test_openclip_trains_on_samples_without_a_usable_index(tmp_path):
         ValueError, match=r"no record bounds the indices of .*00000\.tar.*set data\.index_size"
     ):
         make_trainer(shards, "fastclip_v3", tmp_path / "run_v3")
+
+
+def test_sizes_handed_to_a_loader_must_be_of_its_shards(downloaded, tokenize):
+    out, _ = downloaded
+    urls = [str(out / f"0000{shard}.tar") for shard in range(3)]
+    sizes = resolve_sizes(urls[:2])
+    with pytest.raises(ValueError, match="count 2 shards, the sources .* hold 3"):
+        TrainLoader(urls, preprocess=PREPROCESS, tokenize=tokenize, batch_size=8, workers=0, sizes=sizes)
+    loader = TrainLoader(
+        urls[:2], preprocess=PREPROCESS, tokenize=tokenize, batch_size=8, workers=0, sizes=sizes
+    )
+    assert loader.sizes is sizes and loader.num_batches == sizes.num_samples // 8

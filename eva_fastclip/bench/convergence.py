@@ -148,7 +148,7 @@ class MemoryLoader:
         import webdataset as wds
 
         from eva_fastclip.data import expand_urls, resolve_sizes
-        from eva_fastclip.data.pipeline import parse_index
+        from eva_fastclip.data.tar_reader import parse_index
 
         urls = expand_urls(str(source))
         sizes = resolve_sizes(urls, index_key=index_key)

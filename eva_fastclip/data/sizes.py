@@ -23,6 +23,10 @@ img2dataset's key is ``shard_id * 10**k + row`` and its parquet holds every inpu
 included, so 1 + its largest key is never below a key any sample carries, and with shards of a power of
 ten rows (the default) it is the number of input rows (CC3M: exactly FastCLIP's 3,318,333). A shard with
 no record leaves its number unknown: then the config must give it.
+
+Each record is read once per call, with a progress bar where there are many (LAION-400M: 41,408 parquet
+files, minutes on shared storage). A run reads them once, on rank 0, and hands the resulting
+``DataSizes`` (each shard's count included) to every rank's loader: data/ never talks to other ranks.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
+
+from tqdm import tqdm
 
 from .shards import MANIFEST_NAME, read_manifest
 
@@ -170,10 +176,20 @@ class _Folder:
         return sorted(name for name in os.listdir(self.path) if name.endswith(".tar"))
 
 
+#: records to read beyond which the progress bar shows at once (else after 2 s)
+_MANY_RECORDS = 1000
+
+
+def _progress(items: Sequence[Any], what: str) -> Any:
+    """``items``, with a progress bar on stderr where reading them takes a while."""
+    return tqdm(items, desc=what, unit="shard", delay=0 if len(items) > _MANY_RECORDS else 2, leave=False)
+
+
 class _Records:
     def __init__(self, index_key: str) -> None:
         self.index_key = index_key
         self._folders: dict[Path, _Folder] = {}
+        self._counts: dict[Path, tuple[int, str] | None] = {}  # each shard's count, read once
 
     def _folder(self, shard: Path) -> _Folder:
         if shard.parent not in self._folders:
@@ -181,6 +197,11 @@ class _Records:
         return self._folders[shard.parent]
 
     def _shard_count(self, shard: Path) -> tuple[int, str] | None:
+        if shard not in self._counts:
+            self._counts[shard] = self._read_shard_count(shard)
+        return self._counts[shard]
+
+    def _read_shard_count(self, shard: Path) -> tuple[int, str] | None:
         folder = self._folder(shard)
         if shard.name in folder.manifest_counts:
             return folder.manifest_counts[shard.name], FROM_MANIFEST
@@ -196,7 +217,7 @@ class _Records:
     def shard_counts(self, urls: Sequence[str]) -> tuple[int, ...] | None:
         """Each shard's count, where a record gives every one of them (else None)."""
         counts = []
-        for url in urls:
+        for url in _progress(urls, "counting the samples of each shard"):
             try:
                 count = None if is_remote(url) else self._shard_count(Path(url))
             except ValueError:  # a malformed record: num_samples() names it where the count is needed
@@ -231,7 +252,7 @@ class _Records:
     def index_size(self, urls: Sequence[str]) -> tuple[int, str]:
         """1 + the largest index any shard of ``urls`` may hold, and the records that say so."""
         bound, origins = 0, set()
-        for url in dict.fromkeys(urls):
+        for url in _progress(list(dict.fromkeys(urls)), "reading each shard's index bound"):
             if is_remote(url):
                 raise _NoRecord(f"{url} is remote")
             shard = Path(url)

@@ -10,7 +10,8 @@ Layout written by :func:`write_toy_dataset`::
     train/shard-*.tar + manifest.json    indices 0 .. num_train-1
     val/shard-*.tar + manifest.json      indices num_train .. num_train+num_val-1 (continuing train's, so
                                           an index names one sample across the whole toy dataset)
-    zeroshot/test/0.tar                  clip_benchmark layout: {key}.png + {key}.cls
+    zeroshot/test/0.tar                  clip_benchmark's webdataset layout: {key}.png + {key}.cls
+    zeroshot/test/nshards.txt            (clip_benchmark refuses a folder without it)
     zeroshot/classnames.txt
     zeroshot/zeroshot_classification_templates.txt
 """
@@ -259,6 +260,7 @@ def write_toy_dataset(
         for job in jobs:
             _run_job(job)
 
+    (zeroshot_dir / "test" / "nshards.txt").write_text("1\n")  # the one shard, test/0.tar
     (zeroshot_dir / "classnames.txt").write_text("\n".join(TOY_CLASSNAMES) + "\n")
     (zeroshot_dir / "zeroshot_classification_templates.txt").write_text("\n".join(TOY_TEMPLATES) + "\n")
     return {
