@@ -360,14 +360,20 @@ class EvalConfig:
     """clip_benchmark-layout classification folder (test/*.tar, classnames.txt, templates)."""
     retrieval_shards: list[str] | None = None
     """Held-out image-text shards for image<->text retrieval."""
+    imagenet_val: str | None = None
+    """ImageNet validation folder DIR/<wnid>/*.JPEG (OpenCLIP's --imagenet-val): zero-shot top-1/5 with
+    open_clip's class names and OpenAI's 80 prompts; a folder of some wnids is scored over those classes."""
     every_steps: int = 0
-    """Evaluate every N optimizer steps (0: only at the end of training)."""
+    """Evaluate every N optimizer steps (0: only at the end of training); every rank encodes its share."""
     batch_size: int = 128
-    """Evaluation batch size."""
+    """Evaluation batch size (per rank: each rank encodes whole batches of the set)."""
+    workers: int = 2
+    """Image-decoding loader workers per rank during evaluation (0: decode in the rank's process)."""
 
     def __post_init__(self) -> None:
         _positive("eval.every_steps", self.every_steps, allow_zero=True)
         _positive("eval.batch_size", self.batch_size)
+        _positive("eval.workers", self.workers, allow_zero=True)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -377,10 +383,19 @@ class TrainConfig:
     precision: str = "auto"
     """auto, bf16, fp16 or fp32. auto: bf16 where the device computes it natively (CUDA with bf16, CPUs
     with AVX-512 BF16 or AMX), fp16 with loss scaling on older CUDA devices, fp32 elsewhere."""
-    batch_size: int = 64
-    """Micro-batch per rank (DeepSpeed's train_micro_batch_size_per_gpu)."""
-    grad_accum_steps: int = 1
-    """Micro-batches accumulated per optimizer step (DeepSpeed's gradient_accumulation_steps)."""
+    global_batch: int | None = None
+    """Pairs per optimizer step over all ranks: the recipe, the same on any number of ranks; the per-rank
+    share, the micro-batch and the accumulation are derived from it (batch_layout). null: the batch is
+    given per rank (train.batch_size, train.grad_accum_steps) and grows with the ranks."""
+    max_micro_batch: int | None = None
+    """With train.global_batch: the most pairs one rank holds in one forward pass (what fits its memory);
+    a larger share of the global batch is accumulated over micro-batches. null: no bound."""
+    batch_size: int | None = None
+    """Micro-batch per rank (DeepSpeed's train_micro_batch_size_per_gpu); null: 64, or derived from
+    train.global_batch (then it must stay null)."""
+    grad_accum_steps: int | None = None
+    """Micro-batches accumulated per optimizer step (DeepSpeed's gradient_accumulation_steps); null: 1, or
+    derived from train.global_batch (then it must stay null)."""
     epochs: int = 1
     """Passes over data.num_samples; ignored when `steps` is set."""
     steps: int | None = None
@@ -401,8 +416,30 @@ class TrainConfig:
     loss scaler come down from 2^16 to 1 (17 skipped steps) at the start of a run."""
 
     def __post_init__(self) -> None:
-        _positive("train.batch_size", self.batch_size)
-        _positive("train.grad_accum_steps", self.grad_accum_steps)
+        if self.global_batch is None:
+            if self.max_micro_batch is not None:
+                raise ConfigError(
+                    f"train.max_micro_batch={self.max_micro_batch} bounds the micro-batch derived from "
+                    "train.global_batch, which is not set: set train.global_batch, or give the per-rank "
+                    "batch as train.batch_size (and train.grad_accum_steps)"
+                )
+            self.batch_size = 64 if self.batch_size is None else self.batch_size
+            self.grad_accum_steps = 1 if self.grad_accum_steps is None else self.grad_accum_steps
+            _positive("train.batch_size", self.batch_size)
+            _positive("train.grad_accum_steps", self.grad_accum_steps)
+        else:
+            _positive("train.global_batch", self.global_batch)
+            if self.max_micro_batch is not None:
+                _positive("train.max_micro_batch", self.max_micro_batch)
+            for key in ("batch_size", "grad_accum_steps"):
+                if getattr(self, key) is not None:
+                    raise ConfigError(
+                        f"train.{key}={getattr(self, key)} and train.global_batch={self.global_batch} "
+                        f"are both set: with train.global_batch, train.{key} is derived from it and the "
+                        f"number of ranks. Remove train.{key} (--set train.{key}=null); to bound what one "
+                        "rank holds in a forward pass set train.max_micro_batch, or set "
+                        "train.global_batch=null to give the batch per rank"
+                    )
         _positive("train.epochs", self.epochs)
         if self.steps is not None:
             _positive("train.steps", self.steps)
@@ -541,6 +578,10 @@ def _is_fake_int(hint: type, value: Any) -> bool:
 
 # ---- batch sizes -----------------------------------------------------------------------------------
 
+#: accumulation above this many micro-batches per step is logged as a warning: every loss evaluation
+#: sees a small part of the global batch, and the step is that many forward passes long
+MANY_MICRO_BATCHES = 8
+
 
 @dataclass(frozen=True, slots=True)
 class BatchLayout:
@@ -549,16 +590,133 @@ class BatchLayout:
     micro_batch: int
     grad_accum_steps: int
     world_size: int
+    source: str = "train.batch_size, train.grad_accum_steps"
+    """The config keys it was derived from (error messages and the DeepSpeed JSON's checks name them)."""
+
+    def owners(self) -> dict[str, str]:
+        """The config keys behind each size, as the DeepSpeed JSON's checks name them."""
+        if self.source.startswith("train.global_batch"):
+            derived = f"derived from {self.source} on {self.world_size} ranks"
+            return {"micro_batch": derived, "grad_accum_steps": derived, "global_batch": "train.global_batch"}
+        return {
+            "micro_batch": "train.batch_size",
+            "grad_accum_steps": "train.grad_accum_steps",
+            "global_batch": f"train.batch_size x train.grad_accum_steps x {self.world_size} ranks",
+        }
 
     @property
     def global_batch(self) -> int:
         return self.micro_batch * self.grad_accum_steps * self.world_size
 
     @property
+    def per_rank(self) -> int:
+        """Pairs one rank contributes to an optimizer step (its share of the global batch)."""
+        return self.micro_batch * self.grad_accum_steps
+
+    @property
     def samples_per_forward(self) -> int:
-        """Pairs that one loss evaluation sees across ranks (the negatives of each anchor)."""
+        """Pairs that one loss evaluation sees across ranks (the negatives of each anchor): the
+        contrastive batch."""
         return self.micro_batch * self.world_size
 
+    def summary(self) -> dict[str, int]:
+        """What the start-up log and ``train --dry-run`` state."""
+        return {
+            "global_batch": self.global_batch,
+            "world_size": self.world_size,
+            "per_rank": self.per_rank,
+            "micro_batch": self.micro_batch,
+            "grad_accum_steps": self.grad_accum_steps,
+            "contrastive_batch": self.samples_per_forward,
+        }
 
-def batch_layout(cfg: ExperimentConfig, world_size: int) -> BatchLayout:
-    return BatchLayout(cfg.train.batch_size, cfg.train.grad_accum_steps, world_size)
+    def describe(self) -> str:
+        """One line for the log: global batch, its share per rank, micro-batch, accumulation, contrastive
+        batch."""
+        return (
+            f"global batch {self.global_batch} = {self.world_size} rank(s) x {self.per_rank} pairs "
+            f"({self.grad_accum_steps} micro-batch(es) of {self.micro_batch} accumulated); each loss "
+            f"evaluation sees {self.samples_per_forward} pairs (the contrastive batch: micro-batch x "
+            f"ranks); from {self.source}"
+        )
+
+    def warning(self) -> str | None:
+        """Why this layout deserves a second look, or None."""
+        if self.grad_accum_steps <= MANY_MICRO_BATCHES:
+            return None
+        return (
+            f"{self.grad_accum_steps} micro-batches accumulated per optimizer step: each loss evaluation "
+            f"sees {self.samples_per_forward} of the global batch's {self.global_batch} pairs as negatives "
+            "(docs/losses.md, Gradient accumulation); more ranks or a larger train.max_micro_batch "
+            "raise it"
+        )
+
+
+def batch_layout(cfg: ExperimentConfig, world_size: int, *, resumed_global: int | None = None) -> BatchLayout:
+    """Micro-batch and accumulation on ``world_size`` ranks.
+
+    With ``train.global_batch``: each rank's share is global / ranks, and its micro-batch the share, or the
+    largest divisor of the share within ``train.max_micro_batch``, accumulated share / micro times. Without
+    it: ``train.batch_size`` x ``train.grad_accum_steps`` per rank, except that a run resumed on another
+    number of ranks (``resumed_global``: its checkpoint's global batch) keeps its global batch by changing
+    the accumulation. Every combination that cannot make the global batch is refused, naming the keys.
+    """
+    train = cfg.train
+    if world_size < 1:
+        raise ConfigError(f"the number of ranks must be >= 1, got {world_size}")
+    if train.global_batch is not None:
+        return _layout_for_global(train.global_batch, world_size, train.max_micro_batch)
+    layout = BatchLayout(train.batch_size, train.grad_accum_steps, world_size)
+    if resumed_global is None or layout.global_batch == resumed_global:
+        return layout
+    micro, step_pairs = train.batch_size, train.batch_size * world_size
+    if resumed_global % step_pairs:
+        if resumed_global % world_size:
+            fix = f"resume on {_dividing(resumed_global, world_size)} ranks, which divide {resumed_global}"
+        else:
+            share = resumed_global // world_size
+            fits = max(b for b in range(1, min(micro, share) + 1) if share % b == 0)
+            fix = (
+                f"set train.batch_size={fits} and train.grad_accum_steps={share // fits} (or another batch "
+                f"size dividing {share}), or resume on another number of ranks"
+            )
+        raise ConfigError(
+            f"the checkpoint's global batch of {resumed_global} cannot be made on {world_size} ranks with "
+            f"train.batch_size={micro}: train.batch_size x train.grad_accum_steps x {world_size} is a "
+            f"multiple of {step_pairs}, and {resumed_global} is not: {fix}"
+        )
+    return BatchLayout(micro, resumed_global // step_pairs, world_size)
+
+
+def _layout_for_global(global_batch: int, world_size: int, max_micro: int | None) -> BatchLayout:
+    source = "train.global_batch" + ("" if max_micro is None else ", train.max_micro_batch")
+    if global_batch % world_size:
+        near = [k * world_size for k in (global_batch // world_size, global_batch // world_size + 1) if k]
+        raise ConfigError(
+            f"train.global_batch={global_batch} does not divide over {world_size} ranks (every rank takes "
+            f"the same share): run on {_dividing(global_batch, world_size)} ranks, or set "
+            f"train.global_batch to a multiple of {world_size} (e.g. {' or '.join(map(str, near))})"
+        )
+    share = global_batch // world_size
+    if max_micro is None or share <= max_micro:
+        return BatchLayout(share, 1, world_size, source)
+    fewest = math.ceil(share / max_micro)  # the accumulation a perfect divisor would need
+    micro = max(b for b in range(1, max_micro + 1) if share % b == 0)
+    if share // micro > 2 * fewest:
+        # e.g. a prime share: micro-batches of 1, hundreds of forward passes a step
+        near = share // fewest * fewest * world_size
+        raise ConfigError(
+            f"train.global_batch={global_batch} on {world_size} ranks is {share} pairs a rank, and the "
+            f"largest micro-batch dividing {share} within train.max_micro_batch={max_micro} is {micro}: "
+            f"{share // micro} forward passes a step where {fewest} would do. Set train.global_batch to "
+            f"e.g. {near} ({fewest} micro-batches of {share // fewest} on each of {world_size} ranks), or "
+            "run on another number of ranks"
+        )
+    return BatchLayout(micro, share // micro, world_size, source)
+
+
+def _dividing(total: int, ranks: int) -> str:
+    """The rank counts nearest ``ranks`` that divide ``total``, for error messages."""
+    below = max(k for k in range(1, ranks + 1) if total % k == 0)
+    above = next((k for k in range(ranks + 1, total + 1) if total % k == 0), None)
+    return f"{below} or {above}" if above is not None and below != ranks else str(below)

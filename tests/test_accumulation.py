@@ -1,11 +1,19 @@
-"""Gradient accumulation and ZeRO stage 2 with a compositional loss, through the real DeepSpeed engine (one
-rank, fp32): the per-sample state of every micro-batch is committed together at the optimizer step, and
-ZeRO-2 (gradients partitioned) takes exactly the step that ZeRO-1 takes."""
+"""Gradient accumulation and ZeRO stage 2 with a compositional loss, through the real DeepSpeed engine (fp32):
+the per-sample state of every micro-batch is committed together at the optimizer step, and ZeRO-2
+(gradients partitioned) takes exactly the step that ZeRO-1 takes. Which layouts of the same global batch take
+the same step (docs/losses.md, Gradient accumulation): 2 ranks x 4 pairs x 2 micro-batches and 1 rank x 8 x 2
+(a real 2-rank launch), the micro-batches of a step in either order; and which do not: 1 rank x 2
+micro-batches of 4 against 1 micro-batch of 8 (the step of 2 ranks x 1 micro-batch of 4)."""
 
 import json
 import math
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
+import accumulation_ranks as layouts
 import pytest
 import torch
 
@@ -100,3 +108,94 @@ def test_zero2_takes_the_same_step_as_zero1(stepped):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
     torch.testing.assert_close(one.loss.state.values, two.loss.state.values)
     assert math.isclose(stepped[1]["metrics"]["loss"], stepped[2]["metrics"]["loss"], rel_tol=1e-6)
+
+
+# ---- which layouts take the same step ----------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """2 ranks x 4 pairs x 2 micro-batches, each loss of accumulation_ranks.LOSSES: every rank's state."""
+    out = tmp_path_factory.mktemp("two_ranks")
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONUNBUFFERED": "1"}
+    cmd = [str(bin_dir / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
+    proc = subprocess.run(
+        [*cmd, "tests/accumulation_ranks.py", str(out)],
+        cwd=Path(__file__).parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return {name: [torch.load(out / f"{name}_rank{r}.pt") for r in range(2)] for name in layouts.LOSSES}
+
+
+def whole_table(ranks: list[dict]) -> torch.Tensor:
+    """The per-sample table of every index, from the ranks' index ranges."""
+    ranks = sorted(ranks, key=lambda r: r["lo"])
+    return torch.cat([r["table"] for r in ranks])
+
+
+def assert_same_step(got: dict, want: dict, table: torch.Tensor | None = None) -> None:
+    for name, value in want["weights"].items():
+        torch.testing.assert_close(got["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+    torch.testing.assert_close(got["table"] if table is None else table, want["table"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss", layouts.LOSSES)
+def test_two_ranks_take_the_step_of_one_rank_with_the_same_contrastive_batch(two_ranks, loss, tmp_path):
+    """2 ranks x micro-batch 4 x 2 and 1 rank x micro-batch 8 x 2, the same pairs in each loss evaluation:
+    the same weights, temperature and per-sample state after two steps (the second reads the first's u and
+    tau_i, with gamma < 1). The 2-rank weights are the same on both ranks (one optimizer step of the average
+    gradient)."""
+    one = layouts.run(layouts.make_trainer(tmp_path, loss, layouts.POOL), layouts.step_pairs())
+    ranks = two_ranks[loss]
+    assert_same_step(ranks[0], one, table=whole_table(ranks))
+    assert_same_step(ranks[1], one, table=whole_table(ranks))
+
+
+def test_the_order_of_the_micro_batches_does_not_change_the_step(tmp_path, caplog):
+    """Every micro-batch of a step reads the state committed before it and the same weights and tau: its
+    micro-batches in the other order take the same step (fastclip_v2: u and the individual tau_i). The
+    start-up log states the layout."""
+    steps = layouts.step_pairs()
+    with caplog.at_level("INFO", logger="eva_fastclip.engine.trainer"):
+        trainer = layouts.make_trainer(tmp_path / "a", "fastclip_v2", layouts.POOL)
+    assert (
+        "batch: global batch 16 = 1 rank(s) x 16 pairs (2 micro-batch(es) of 8 accumulated); each loss "
+        "evaluation sees 8 pairs (the contrastive batch: micro-batch x ranks)" in caplog.text
+    )
+    forward = layouts.run(trainer, steps)
+    backward = layouts.run(
+        layouts.make_trainer(tmp_path / "b", "fastclip_v2", layouts.POOL), steps, order=(1, 0)
+    )
+    assert_same_step(backward, forward)
+
+
+def test_another_contrastive_batch_is_another_step(tmp_path):
+    """The same 16 pairs per step as 2 micro-batches of 4 (each loss evaluation sees 4 pairs) and as 1
+    micro-batch of 8 (sees 8: the step of 2 ranks x 1 micro-batch of 4, by the test above and
+    test_compositional_distributed.py): other negatives, another step."""
+    steps = [pairs[:1] for pairs in layouts.step_pairs()]  # one micro-batch of 8 pairs a step
+
+    def halves(pairs):
+        images, tokens, indices = pairs[0]
+        return [(images[:4], tokens[:4], indices[:4]), (images[4:], tokens[4:], indices[4:])]
+
+    split = layouts.run(
+        layouts.make_trainer(tmp_path / "a", "fastclip_v3", 4, accum=2), steps, micro_batches=halves
+    )
+    whole = layouts.run(layouts.make_trainer(tmp_path / "b", "fastclip_v3", 8, accum=1), steps, order=(0,))
+    touched = torch.isfinite(whole["table"][:, 0])
+    assert torch.equal(touched, torch.isfinite(split["table"][:, 0]))  # the same samples, other u
+    assert (whole["table"][touched] - split["table"][touched]).abs().max() > 1e-3
+    moved = max((whole["weights"][k] - split["weights"][k]).abs().max().item() for k in whole["weights"])
+    assert moved > 1e-4

@@ -97,6 +97,120 @@ def test_batch_layout():
     assert layout.samples_per_forward == 128
 
 
+@pytest.mark.parametrize(
+    "ranks, max_micro, micro, accum",
+    [
+        (32, 320, 160, 1),  # the share fits: no accumulation
+        (16, 320, 320, 1),
+        (8, 320, 320, 2),  # 640 a rank in 2 micro-batches of 320
+        (4, 320, 320, 4),
+        (4, 300, 256, 5),  # 1280 = 5 x 256: the largest divisor within 300
+        (4, None, 1280, 1),  # no bound: the whole share in one forward pass
+        (1, 1000, 640, 8),
+    ],
+)
+def test_the_global_batch_is_the_same_on_any_number_of_ranks(ranks, max_micro, micro, accum):
+    cfg = load_config(None, ["train.global_batch=5120", f"train.max_micro_batch={json.dumps(max_micro)}"])
+    layout = batch_layout(cfg, ranks)
+    assert (layout.micro_batch, layout.grad_accum_steps, layout.world_size) == (micro, accum, ranks)
+    assert layout.global_batch == 5120 and layout.per_rank == 5120 // ranks
+    assert layout.samples_per_forward == micro * ranks  # the contrastive batch
+    assert layout.summary()["contrastive_batch"] == micro * ranks
+    assert f"global batch 5120 = {ranks} rank(s) x {5120 // ranks} pairs" in layout.describe()
+    assert (layout.warning() is None) == (accum <= 8)
+
+
+def test_many_micro_batches_are_a_warning():
+    cfg = load_config(None, ["train.global_batch=4096", "train.max_micro_batch=16"])
+    layout = batch_layout(cfg, 8)  # 512 a rank: 32 micro-batches of 16
+    assert (layout.micro_batch, layout.grad_accum_steps) == (16, 32)
+    assert "32 micro-batches accumulated" in layout.warning() and "128 of the global batch's 4096" in (
+        layout.warning()
+    )
+
+
+@pytest.mark.parametrize(
+    "sets, ranks, message",
+    [
+        (["train.global_batch=5120"], 7, "train.global_batch=5120 does not divide over 7 ranks"),
+        (["train.global_batch=5120"], 7, "run on 5 or 8 ranks"),
+        (["train.global_batch=5120"], 7, "e.g. 5117 or 5124"),
+        # 1021 a rank is prime: micro-batches of 1, 1021 forward passes a step where 2 would do
+        (["train.global_batch=2042", "train.max_micro_batch=512"], 2, "largest micro-batch dividing 1021"),
+        (["train.global_batch=2042", "train.max_micro_batch=512"], 2, "e.g. 2040 (2 micro-batches of 510"),
+    ],
+)
+def test_a_global_batch_that_cannot_be_made_is_refused(sets, ranks, message):
+    cfg = load_config(None, sets)
+    with pytest.raises(ConfigError) as err:
+        batch_layout(cfg, ranks)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (["train.global_batch=512", "train.batch_size=32"], "train.batch_size=32 and train.global_batch=512"),
+        (["train.global_batch=512", "train.grad_accum_steps=2"], "train.grad_accum_steps=2 and train.global"),
+        (["train.global_batch=512", "train.batch_size=32"], "set train.max_micro_batch"),
+        (["train.max_micro_batch=32"], "train.max_micro_batch=32 bounds the micro-batch derived from"),
+        (["train.global_batch=0"], "train.global_batch must be > 0"),
+        (["train.global_batch=64", "train.max_micro_batch=0"], "train.max_micro_batch must be > 0"),
+    ],
+)
+def test_batch_keys_that_conflict_are_refused_naming_both(sets, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, sets)
+    assert message in str(err.value)
+
+
+def test_per_rank_batch_without_a_global_batch():
+    """The toy configs' and tests' way: the batch per rank, the global batch growing with the ranks; a
+    preset's batch keys can be switched back to it from the command line."""
+    cfg = load_config(None, [])
+    assert (cfg.train.batch_size, cfg.train.grad_accum_steps, cfg.train.global_batch) == (64, 1, None)
+    assert batch_layout(cfg, 4).global_batch == 256
+    preset = load_config(
+        "configs/laion_vitb16_fastclip_v3.json",
+        ["train.global_batch=null", "train.max_micro_batch=null", "train.batch_size=32"],
+    )
+    assert batch_layout(preset, 4).global_batch == 128
+    # a run resumed on another number of ranks keeps its checkpoint's global batch by accumulating
+    cfg = load_config(None, ["train.batch_size=8", "train.grad_accum_steps=2"])
+    kept = batch_layout(cfg, 2, resumed_global=64)  # saved by 4 ranks x 8 x 2
+    assert (kept.micro_batch, kept.grad_accum_steps, kept.global_batch) == (8, 4, 64)
+    with pytest.raises(ConfigError, match="set train.batch_size=6 and train.grad_accum_steps=2"):
+        batch_layout(load_config(None, ["train.batch_size=8"]), 4, resumed_global=48)
+    # with train.global_batch the config's global batch wins: the layout is derived as at a start
+    cfg = load_config(None, ["train.global_batch=64"])
+    assert batch_layout(cfg, 2, resumed_global=128).global_batch == 64
+
+
+def test_a_resume_on_another_number_of_ranks_keeps_the_global_batch(tmp_path, caplog):
+    """Trainer._keep_global_batch: without train.global_batch the accumulation changes to keep the
+    checkpoint's; with it, the config's global batch is the layout's on any number of ranks."""
+    import types
+
+    from eva_fastclip.engine.trainer import Trainer
+
+    marker = {"world_size": 4, "global_batch": 64}
+    for sets, accum, logged in (
+        (["train.batch_size=8"], 4, "kept on 2 ranks with train.grad_accum_steps=4 (was 1)"),
+        (["train.global_batch=64", "train.max_micro_batch=16"], None, None),
+        (["train.global_batch=128"], None, "train.global_batch=128 applies from here"),
+    ):
+        cfg = load_config(None, sets)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="eva_fastclip.engine.trainer"):
+            Trainer._keep_global_batch(
+                types.SimpleNamespace(cfg=cfg, world_size=2, is_main=True), tmp_path, marker
+            )
+        assert cfg.train.grad_accum_steps == accum
+        assert (logged in caplog.text) if logged else caplog.text == ""
+        if cfg.train.global_batch is None:
+            assert batch_layout(cfg, 2).global_batch == 64
+
+
 def test_dry_run_validates_for_a_world_size(capsys, tmp_path):
     from eva_fastclip.cli import main
     from eva_fastclip.data import write_toy_dataset
@@ -111,6 +225,23 @@ def test_dry_run_validates_for_a_world_size(capsys, tmp_path):
     assert main(["train", "--config", "configs/toy.json", *sets, "--dry-run", "--world-size", "4"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["global_batch"] == 4 * 64 and printed["deepspeed"]["train_batch_size"] == 256
+    # a global batch: the same 256 on 2 ranks, in 2 micro-batches of 64 where a rank holds at most 64
+    sets += ["--set", "train.batch_size=null", "--set", "train.global_batch=256"]
+    sets += ["--set", "train.max_micro_batch=64"]
+    assert main(["train", "--config", "configs/toy.json", *sets, "--dry-run", "--world-size", "2"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["batch"] == {
+        "global_batch": 256,
+        "world_size": 2,
+        "per_rank": 128,
+        "micro_batch": 64,
+        "grad_accum_steps": 2,
+        "contrastive_batch": 128,
+        "derived_from": "train.global_batch, train.max_micro_batch",
+        "warning": None,
+    }
+    deepspeed = printed["deepspeed"]
+    assert (deepspeed["train_micro_batch_size_per_gpu"], deepspeed["gradient_accumulation_steps"]) == (64, 2)
     assert main(["train", "--config", "configs/toy.json", "--set", "train.batch_sise=3", "--dry-run"]) == 2
     assert "did you mean 'train.batch_size'" in capsys.readouterr().err
 
@@ -136,4 +267,6 @@ def test_shipped_presets_validate(path, tmp_path):
         source=str(path),
         hardware=Hardware(cuda=True, native_bf16=True, description="a GPU"),
     )
-    assert ds["train_batch_size"] == 8 * cfg.train.batch_size * cfg.train.grad_accum_steps
+    layout = batch_layout(cfg, 8)
+    assert ds["train_batch_size"] == layout.global_batch == (cfg.train.global_batch or layout.global_batch)
+    assert ds["train_micro_batch_size_per_gpu"] == layout.micro_batch

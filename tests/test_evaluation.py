@@ -1,18 +1,40 @@
-import math
+"""Evaluation: the metrics worked out by hand, the sets as clip_benchmark lays them out (and ImageNet's
+validation folder), and the sharing between ranks: K ranks (threads with a fake collective here; a real
+launch in test_eval_launch.py) give exactly one rank's result, an empty share takes part, and an error on
+one rank stops every rank instead of leaving the others waiting."""
 
-import open_clip
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from eval_sets import (
+    DIM,
+    TEMPLATES,
+    FakeModel,
+    fake_tokenize,
+    vector_png,
+    vector_preprocess,
+    write_classification_folder,
+)
+from PIL import Image
 
+from eva_fastclip.data import write_toy_dataset
 from eva_fastclip.evaluation import (
+    EvaluationFailed,
     build_zeroshot_classifier,
-    evaluate_classification,
-    evaluate_retrieval,
+    classify,
+    fill_template,
+    read_imagenet_folder,
+    read_wds_folder,
     retrieval_recall,
+    retrieve,
     topk_accuracy,
 )
+from eva_fastclip.evaluation import metrics as metrics_module
+from eva_fastclip.evaluation.metrics import classification_metrics, macro_f1, worst_group
+from eva_fastclip.evaluation.samples import own_batches
+from eva_fastclip.evaluation.sets import RetrievalSet, read_pair_shards
 
 # ---------------------------------------------------------------- metrics
 
@@ -95,157 +117,330 @@ def test_retrieval_recall_rejects_image_without_caption():
         retrieval_recall(torch.eye(3), torch.eye(3)[:2], torch.tensor([0, 1]))
 
 
-# ---------------------------------------------------------------- fake models
+def test_retrieval_recall_in_chunks_equals_whole(monkeypatch):
+    torch.manual_seed(0)
+    images, texts = F.normalize(torch.randn(7, 5), dim=-1), F.normalize(torch.randn(12, 5), dim=-1)
+    owners = torch.tensor([0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 2, 6])
+    whole = retrieval_recall(images, texts, owners, ks=(1, 2, 3))
+    monkeypatch.setattr(metrics_module, "_ROWS_PER_CHUNK", 2)
+    assert retrieval_recall(images, texts, owners, ks=(1, 2, 3)) == whole
+
+
+def test_classification_metrics_hand_computed():
+    labels = torch.tensor([0, 0, 0, 1, 2, 2])
+    ranks = torch.tensor([0, 1, 6, 0, 0, 4])  # top-1 hits: samples 0, 3, 4; top-5 misses: sample 2
+    predicted = torch.tensor([0, 1, 2, 1, 2, 0])
+    # per-class recall of the top class: class 0 1/3, class 1 1/1, class 2 1/2 -> mean 11/18
+    assert classification_metrics(labels, ranks, predicted, num_classes=7) == pytest.approx(
+        {"top1": 3 / 6, "top5": 5 / 6, "mean_per_class_recall": 11 / 18, "num_samples": 6}
+    )
+    # clip_benchmark reports no top-5 under 5 classes
+    assert "top5" not in classification_metrics(labels, ranks, predicted, num_classes=3)
+
+
+def test_macro_f1_and_worst_group_hand_computed():
+    labels = torch.tensor([0, 0, 1, 1, 2])
+    predicted = torch.tensor([0, 1, 1, 1, 3])  # class 3 is predicted but absent: not averaged over
+    # F1: class 0: p 1, r 1/2 -> 2/3; class 1: p 2/3, r 1 -> 4/5; class 2: p 0 (never predicted) -> 0
+    assert macro_f1(labels, predicted) == pytest.approx((2 / 3 + 4 / 5 + 0) / 3)
+    hits = torch.tensor([1, 0, 1, 1, 0, 1])
+    groups = torch.tensor([0, 0, 2, 2, 5, 5])  # groups 1, 3 and 4 have no sample and do not count
+    assert worst_group(hits, groups) == 0.5
+
+
+# ---------------------------------------------------------------- sets on disk
+
+
+def test_toy_zeroshot_folder_is_clip_benchmarks_full_layout(tmp_path):
+    """clip_benchmark's builder reads test/nshards.txt and refuses the folder without it."""
+    from clip_benchmark.datasets.builder import build_wds_dataset
+
+    write_toy_dataset(tmp_path, num_train=4, num_val=4, num_zeroshot=30, image_size=16, samples_per_shard=4)
+    folder = tmp_path / "zeroshot"
+    dataset = build_wds_dataset("toy", transform=None, split="test", data_dir=str(folder))
+    assert len(dataset.classes) == 20 and dataset.templates[0] == "a photo of a {c}."
+    labels = [label for _, label in dataset]
+    assert labels == [i % 20 for i in range(30)]
+    ours = read_wds_folder(folder)
+    assert [ours.target(sample.read(), sample)[0] for sample in ours.samples] == labels
+
+
+def test_own_batches_tile_the_set():
+    for n, batch, world in [(0, 4, 2), (3, 4, 2), (10, 3, 1), (10, 3, 2), (10, 3, 5), (11, 2, 3)]:
+        shares = [own_batches(n, batch, rank, world) for rank in range(world)]
+        batches = sorted(b for share in shares for b in share)
+        assert batches == [list(range(s, min(s + batch, n))) for s in range(0, n, batch)]
+
+
+def wnid(i: int) -> str:
+    from timm.data import ImageNetInfo
+
+    return ImageNetInfo("imagenet-1k").label_names()[i]
+
+
+def test_imagenet_folder_uses_open_clips_names_and_openais_prompts(tmp_path):
+    from open_clip.zero_shot_metadata import OPENAI_IMAGENET_TEMPLATES
+
+    for folder, count in (("n15075141", 1), ("n01443537", 3), ("n01440764", 2)):
+        (tmp_path / folder).mkdir()
+        for i in range(count):
+            Image.new("RGB", (4, 4), (i, 0, 0)).save(tmp_path / folder / f"ILSVRC2012_val_{i}.JPEG")
+    evalset = read_imagenet_folder(tmp_path)
+    # the standard class order is the sorted wnids: tench (0), goldfish (1), toilet paper (999)
+    assert (wnid(0), wnid(1), wnid(999)) == ("n01440764", "n01443537", "n15075141")
+    assert evalset.classnames == ["tench", "goldfish", "toilet paper"]
+    assert [sample.label for sample in evalset.samples] == [0, 0, 1, 1, 1, 2]
+    assert len(evalset.templates) == 80 == len(OPENAI_IMAGENET_TEMPLATES)
+    assert fill_template(evalset.templates[0], "tench") == OPENAI_IMAGENET_TEMPLATES[0]("tench")
+    assert "3 of the 1000 ImageNet classes" in evalset.note
+
+
+def test_imagenet_folder_refuses_what_is_no_wnid_folder(tmp_path):
+    (tmp_path / "cats").mkdir()
+    with pytest.raises(ValueError, match="no ImageNet-1k wnid, e.g. 'cats'"):
+        read_imagenet_folder(tmp_path / "")
+    Image.new("RGB", (4, 4)).save(tmp_path / "flat.JPEG")
+    (tmp_path / "cats").rmdir()
+    with pytest.raises(ValueError, match="no class folder"):
+        read_imagenet_folder(tmp_path)
+
+
+# ---------------------------------------------------------------- zero-shot on a fake model
 
 NUM_CLASSES = 6
-DIM = NUM_CLASSES + 1  # one extra direction for a template-dependent offset
-TEMPLATES = ["a photo of a {}.", "a drawing of a {}."]
 CLASSNAMES = [f"class{c}" for c in range(NUM_CLASSES)]
 
 
-def fake_tokenize(texts: list[str]) -> Tensor:
-    """Token ids [class index, template index], recovered from the text."""
-    rows = []
-    for text in texts:
-        template = next(t for t, tpl in enumerate(TEMPLATES) if text.startswith(tpl.split("{}")[0]))
-        rows.append([int(text.split("class")[1].rstrip(".")), template])
-    return torch.tensor(rows)
-
-
-class FakeModel(nn.Module):
-    """Images are feature vectors already; text (c, t) encodes to e_c + (+1 | -1) * e_extra.
-
-    Averaging the normalised text embeddings over the two templates cancels the extra direction, so the
-    correct classifier is exactly the one-hot class directions. Records the training flag it ran under.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(()))  # gives the model a dtype; unused otherwise
-        self.tower = nn.Linear(1, 1)  # a submodule whose training flag must be restored too
-        self.seen_training: list[bool] = []
-
-    def encode_image(self, images: Tensor, normalize: bool = False) -> Tensor:
-        self.seen_training.append(self.training or self.tower.training)
-        return F.normalize(images, dim=-1) if normalize else images
-
-    def encode_text(self, tokens: Tensor, normalize: bool = False) -> Tensor:
-        self.seen_training.append(self.training or self.tower.training)
-        features = F.one_hot(tokens[:, 0], DIM).float()
-        features[:, -1] = torch.where(tokens[:, 1] == 0, 1.0, -1.0)
-        features = features * (1.0 + tokens[:, :1])  # class-dependent magnitude, removed by normalising
-        return F.normalize(features, dim=-1) if normalize else features
-
-
-def batches(*tensors: Tensor, size: int):
-    return [tuple(t[i : i + size] for t in tensors) for i in range(0, len(tensors[0]), size)]
-
-
-def test_build_zeroshot_classifier_averages_over_templates():
-    model = FakeModel()
-    classifier = build_zeroshot_classifier(
-        model, fake_tokenize, CLASSNAMES, TEMPLATES, device="cpu", batch_size=5
+def known_set(tmp_path, labels=None):
+    """Sample i looks like class a = i % 6, a bit like a + 1 and unlike a + 2 (strictly lowest).
+    Samples 6 and 7 are mislabelled: 6 as its second class (top-1 miss, top-5 hit), 7 as its last."""
+    true, near, far = ((torch.arange(8) + offset) % NUM_CLASSES for offset in (0, 1, 2))
+    vectors = F.one_hot(true, DIM) + 0.5 * F.one_hot(near, DIM) - 0.5 * F.one_hot(far, DIM)
+    if labels is None:
+        labels = true.clone()
+        labels[6], labels[7] = near[6], far[7]
+    return write_classification_folder(
+        tmp_path / "set", vectors.tolist(), labels.tolist(), CLASSNAMES, per_shard=3
     )
-    assert classifier.shape == (DIM, NUM_CLASSES)
-    assert classifier.dtype == torch.float32
-    # Template offsets cancel: each column is the unit class direction.
-    torch.testing.assert_close(classifier, torch.eye(DIM)[:, :NUM_CLASSES])
-    # With one template the offset survives: column = (e_c + e_extra) / sqrt(2).
+
+
+def test_classifier_averages_over_templates():
+    model = FakeModel()
+    classifier = build_zeroshot_classifier(model, fake_tokenize, CLASSNAMES, TEMPLATES, device="cpu")
+    assert classifier.shape == (DIM, NUM_CLASSES) and classifier.dtype == torch.float32
+    torch.testing.assert_close(classifier, torch.eye(DIM)[:, :NUM_CLASSES])  # the offsets cancel
     single = build_zeroshot_classifier(model, fake_tokenize, CLASSNAMES, TEMPLATES[:1], device="cpu")
-    torch.testing.assert_close(single[-1], torch.full((NUM_CLASSES,), 1 / math.sqrt(2)))
+    torch.testing.assert_close(single[-1], torch.full((NUM_CLASSES,), 2**-0.5))
 
 
 @pytest.mark.parametrize("initially_training", [True, False])
-def test_evaluate_classification_known_accuracy(initially_training: bool):
+def test_classify_known_set(tmp_path, initially_training):
     model = FakeModel().train(initially_training)
+    evalset = read_wds_folder(known_set(tmp_path))
     classifier = torch.eye(DIM)[:, :NUM_CLASSES]
-    # Sample i looks like class a = i % 6, a bit like b = a + 1, and unlike c = a + 2 (strictly lowest).
-    true, near, far = ((torch.arange(8) + offset) % NUM_CLASSES for offset in (0, 1, 2))
-    images = F.one_hot(true, DIM) + 0.5 * F.one_hot(near, DIM) - 0.5 * F.one_hot(far, DIM)
-    labels = true.clone()
-    labels[6] = near[6]  # mislabelled: top1 miss, still in top5
-    labels[7] = far[7]  # mislabelled: ranked last of 6, so a top5 miss
-    metrics = evaluate_classification(
-        model, classifier, batches(images.float(), labels, size=3), device="cpu"
+    predictions = classify(
+        model, classifier, evalset, preprocess=vector_preprocess, batch_size=3, device="cpu"
     )
-    assert metrics == {"top1": 6 / 8, "top5": 7 / 8, "num_samples": 8}
+    metrics = classification_metrics(
+        predictions.labels, predictions.label_ranks, predictions.predicted, predictions.num_classes
+    )
+    assert metrics["top1"] == 6 / 8 and metrics["top5"] == 7 / 8 and metrics["num_samples"] == 8
+    assert predictions.ordinals.tolist() == list(range(8)) and predictions.num_skipped == 0
     assert model.seen_training and not any(model.seen_training)
     assert model.training is initially_training and model.tower.training is initially_training
 
 
-def test_evaluate_classification_restores_mode_on_error():
-    model = FakeModel().train()
-    with pytest.raises(ValueError):
-        evaluate_classification(model, torch.eye(DIM), [(torch.ones(2, DIM), torch.zeros(3))], device="cpu")
-    assert model.training and model.tower.training
+def test_a_sample_that_does_not_decode_is_skipped_and_counted(tmp_path):
+    from eva_fastclip.data import write_shard
+
+    folder = known_set(tmp_path)
+    write_shard(folder / "test" / "1.tar", [{"__key__": "bad", "png": b"\x89PNG garbage", "cls": "0"}])
+    predictions = classify(
+        FakeModel(), torch.eye(DIM)[:, :NUM_CLASSES], read_wds_folder(folder),
+        preprocess=vector_preprocess, batch_size=3, device="cpu",
+    )  # fmt: skip
+    # shard 1 (samples 3-5) now holds the bad sample alone: samples 6 and 7 became 4 and 5
+    assert predictions.num_skipped == 1 and predictions.ordinals.tolist() == [0, 1, 2, 4, 5]
 
 
-class VectorTextModel(FakeModel):
-    """Retrieval fake: both images and "tokens" are feature vectors."""
+def test_retrieval_with_several_captions_per_image(tmp_path):
+    from eval_sets import CAPTIONS, write_retrieval_folder
 
-    def encode_text(self, tokens: Tensor, normalize: bool = False) -> Tensor:
-        return self.encode_image(tokens, normalize)
-
-
-def test_evaluate_retrieval_perfect():
-    model = VectorTextModel().train()
-    features = torch.eye(5)
-    metrics = evaluate_retrieval(model, batches(features, features.clone(), size=2), device="cpu")
-    assert metrics == {
-        **{f"{d}_R@{k}": 1.0 for d in ("image_to_text", "text_to_image") for k in (1, 5, 10)},
-        "num_samples": 5,
+    # image i is e_i; each caption is registered with its text vector
+    CAPTIONS.clear()
+    CAPTIONS.update({"0-a": [1, 0, 0, 0], "1-a": [0, 1, 0, 0], "2-a": [0, 0, 1, 0], "2-b": [0, 0.5, 1, 0]})
+    CAPTIONS.update({"3-a": [0.5, 0, 0, 0.4], "3-b": [2, 0, 0, 1]})
+    captions = [["0-a"], ["1-a"], ["2-a", "2-b"], ["3-a", "3-b"]]
+    folder = write_retrieval_folder(tmp_path / "ret", torch.eye(4, DIM).tolist(), captions, per_shard=3)
+    evalset = read_wds_folder(folder)
+    assert isinstance(evalset, RetrievalSet)
+    got = retrieve(
+        FakeModel(),
+        fake_tokenize,
+        evalset,
+        preprocess=vector_preprocess,
+        batch_size=3,
+        device="cpu",
+        ks=(1, 2),
+    )
+    # cosines: "2-b" image 2 .894, image 1 .447; "3-a" image 0 .781, image 3 .625; "3-b" image 0 .894,
+    # image 3 .447. Text->image: "3-a" and "3-b" find image 0 first, image 3 second. Image->text: every
+    # image's best caption is its own (image 3: "3-a" .625 against 0 for every other caption).
+    assert got == {
+        "image_to_text_R@1": 1.0,
+        "image_to_text_R@2": 1.0,
+        "text_to_image_R@1": 4 / 6,
+        "text_to_image_R@2": 1.0,
+        "num_samples": 4,
+        "num_texts": 6,
     }
-    assert model.training and not any(model.seen_training)
 
 
-def test_evaluate_retrieval_known_recall():
-    images = torch.eye(4)
-    texts = torch.eye(4)
-    texts[3] = torch.tensor([2.0, 0.0, 0.0, 1.0])  # caption 3 looks more like image 0 than image 3
-    # sim[:, 3] = [2, 0, 0, 1] / sqrt(5). Image 0 still prefers its own caption (1 > 0.89) and image 3 has
-    # no better caption than its own, so image->text is perfect; caption 3 ranks image 3 second.
-    metrics = evaluate_retrieval(VectorTextModel(), batches(images, texts, size=3), device="cpu")
-    assert metrics["image_to_text_R@1"] == 1.0
-    assert metrics["text_to_image_R@1"] == 3 / 4
-    assert metrics["text_to_image_R@5"] == 1.0
-    assert metrics["num_samples"] == 4
+def test_pair_shards_take_the_first_caption_line(tmp_path):
+    from eva_fastclip.data import write_shard
+
+    write_shard(tmp_path / "shard-000000.tar", [{"__key__": "a", "png": vector_png([1]), "txt": "one\ntwo"}])
+    evalset = read_pair_shards([str(tmp_path / "shard-000000.tar")])
+    assert evalset.target(evalset.samples[0].read(), evalset.samples[0]) == ["one"]
 
 
-# ---------------------------------------------------------------- real open_clip smoke test
+# ---------------------------------------------------------------- ranks sharing the work
 
 
-def test_open_clip_smoke():
+class ThreadRank:
+    """Rank ``rank`` of a group of threads: ``gather`` concatenates every thread's tensor (and checks
+    they are equally shaped, as NCCL's all_gather needs); a missing peer breaks the barrier in 30 s
+    instead of hanging the test."""
+
+    def __init__(self, group: dict, rank: int) -> None:
+        self.group, self.rank, self.world_size = group, rank, group["world"]
+        self.calls = 0
+
+    def gather(self, tensor):
+        group = self.group
+        group["slots"][self.rank] = tensor.clone()
+        group["barrier"].wait()
+        shapes = {tuple(t.shape) for t in group["slots"]}
+        out = torch.cat(group["slots"])
+        group["barrier"].wait()
+        assert len(shapes) == 1, f"ranks gathered different shapes {shapes}"
+        self.calls += 1
+        return out
+
+
+def on_ranks(world: int, work):
+    """``work(collectives)`` on ``world`` threads; returns each rank's result or exception."""
+    group = {"world": world, "slots": [None] * world, "barrier": threading.Barrier(world, timeout=30)}
+    results = [None] * world
+
+    def run(rank):
+        try:
+            results[rank] = work(ThreadRank(group, rank))
+        except BaseException as err:  # noqa: BLE001
+            results[rank] = err
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads), "a rank is stuck"
+    return results
+
+
+def test_k_ranks_give_one_ranks_predictions_exactly(tmp_path):
+    torch.manual_seed(0)
+    vectors = (torch.randint(-40, 41, (11, DIM)) / 20).tolist()  # exact in the pixels
+    labels = torch.randint(0, NUM_CLASSES, (11,)).tolist()
+    evalset = read_wds_folder(write_classification_folder(tmp_path / "set", vectors, labels, CLASSNAMES))
+    model = FakeModel()
+
+    def work(collectives):
+        classifier = build_zeroshot_classifier(
+            model, fake_tokenize, CLASSNAMES, TEMPLATES, device="cpu", collectives=collectives
+        )
+        return classifier, classify(
+            model, classifier, evalset, preprocess=vector_preprocess, batch_size=2, device="cpu",
+            collectives=collectives, workers=1,
+        )  # fmt: skip
+
+    (reference,) = on_ranks(1, work)
+    for world in (2, 3, 7):  # 6 batches: with 7 ranks one rank has no share
+        for classifier, predictions in on_ranks(world, work):
+            assert torch.equal(classifier, reference[0])
+            for field in ("ordinals", "labels", "label_ranks", "predicted"):
+                assert torch.equal(getattr(predictions, field), getattr(reference[1], field)), field
+
+
+def test_an_error_on_one_rank_stops_every_rank(tmp_path):
+    labels = torch.arange(8) % NUM_CLASSES
+    labels[7] = 99  # in rank 1's second batch (batches of 2: rank 1 has samples 2, 3, 6, 7)
+    evalset = read_wds_folder(known_set(tmp_path, labels=labels))
+
+    def work(collectives):
+        return classify(
+            FakeModel(), torch.eye(DIM)[:, :NUM_CLASSES], evalset, preprocess=vector_preprocess,
+            batch_size=2, device="cpu", collectives=collectives,
+        )  # fmt: skip
+
+    rank0, rank1 = on_ranks(2, work)
+    assert isinstance(rank1, ValueError) and "class label 99 outside [0, 6)" in str(rank1)
+    assert isinstance(rank0, EvaluationFailed) and "rank(s) [1]" in str(rank0)
+
+
+def test_open_clip_model_in_bf16_autocast():
+    """A real (tiny) open_clip model through the classifier and the autocast path."""
+    import open_clip
+
     torch.manual_seed(0)
     model = open_clip.CLIP(
         embed_dim=32,
-        vision_cfg=dict(image_size=32, layers=1, width=32, patch_size=8, head_width=16),  # 2 heads
+        vision_cfg=dict(image_size=32, layers=1, width=32, patch_size=8, head_width=16),
         text_cfg=dict(context_length=16, vocab_size=49408, width=32, heads=2, layers=1),
     )
     tok = open_clip.get_tokenizer("ViT-B-32")
+    for dtype in (None, torch.bfloat16):
+        classifier = build_zeroshot_classifier(
+            model, lambda t: tok(t, context_length=16), ["cat", "dog", "car"], ["a photo of a {c}.", "a {}."],
+            device="cpu", autocast_dtype=dtype,
+        )  # fmt: skip
+        assert classifier.shape == (32, 3)
+        torch.testing.assert_close(classifier.norm(dim=0), torch.ones(3))
+    assert model.training  # open_clip models start in training mode, and stay so
 
-    def tokenize(texts):
-        return tok(texts, context_length=16)
 
-    classnames = ["cat", "dog", "car"]
-    classifier = build_zeroshot_classifier(
-        model, tokenize, classnames, ["a photo of a {}.", "a {}."], device="cpu"
-    )
-    assert classifier.shape == (32, 3)
-    torch.testing.assert_close(classifier.norm(dim=0), torch.ones(3))
+def test_k_ranks_give_one_ranks_retrieval_exactly(tmp_path):
+    from eval_sets import CAPTIONS, write_retrieval_folder
 
-    images = torch.randn(6, 3, 32, 32)
-    labels = torch.tensor([0, 1, 2, 0, 1, 2])
-    for autocast_dtype in (None, torch.bfloat16):
-        metrics = evaluate_classification(
-            model, classifier, batches(images, labels, size=4), device="cpu", autocast_dtype=autocast_dtype
-        )
-        assert set(metrics) == {"top1", "top5", "num_samples"} and metrics["num_samples"] == 6
-        assert 0.0 <= metrics["top1"] <= metrics["top5"] == 1.0  # 3 classes: top5 covers all
+    torch.manual_seed(1)
+    vectors = (torch.randint(-40, 41, (9, DIM)) / 20).tolist()
+    CAPTIONS.clear()
+    captions = []
+    for i in range(9):  # 1 to 3 captions per image, each a noisy copy of some image's vector
+        captions.append([f"{i}-{j}" for j in range(1 + i % 3)])
+        for name in captions[-1]:
+            CAPTIONS[name] = (torch.tensor(vectors[(i + len(name)) % 9]) + torch.randn(DIM)).tolist()
+    evalset = read_wds_folder(write_retrieval_folder(tmp_path / "ret", vectors, captions))
 
-    captions = tokenize([f"a photo of a {c}" for c in ["cat", "dog", "car", "bird", "tree", "boat"]])
-    metrics = evaluate_retrieval(
-        model, batches(images, captions, size=4), device="cpu", autocast_dtype=torch.bfloat16
-    )
-    assert metrics.pop("num_samples") == 6
-    assert len(metrics) == 6 and all(0.0 <= value <= 1.0 for value in metrics.values())
-    assert model.training  # open_clip models start in training mode
+    def work(collectives):
+        return retrieve(
+            FakeModel(), fake_tokenize, evalset, preprocess=vector_preprocess, batch_size=2, device="cpu",
+            collectives=collectives,
+        )  # fmt: skip
+
+    (reference,) = on_ranks(1, work)
+    assert reference["num_samples"] == 9 and reference["num_texts"] == 18
+    for world in (2, 3, 6):  # 5 batches: with 6 ranks one rank has no share
+        assert on_ranks(world, work) == [reference] * world
+
+
+def test_a_wrong_imagenet_folder_stops_the_run_before_step_1(tmp_path):
+    from eva_fastclip.config import load_config
+    from eva_fastclip.engine import preflight
+
+    (tmp_path / "val" / "not_a_wnid").mkdir(parents=True)
+    for folder in (tmp_path / "missing", tmp_path / "val"):
+        cfg = load_config(None, [f"eval.imagenet_val={folder}"])
+        (problem,) = preflight.check_eval(cfg)
+        assert problem.key == "eval.imagenet_val" and problem.error
+        assert "set eval.imagenet_val=null" in problem.message

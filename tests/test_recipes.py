@@ -119,6 +119,23 @@ def test_table_matches_the_resolved_preset(preset, run_dir):
 
 
 @pytest.mark.parametrize("preset", PRESETS)
+def test_a_preset_runs_its_global_batch_on_any_number_of_ranks(preset, run_dir):
+    """The global batch is the recipe: on 4, 8 and 32 ranks the DeepSpeed JSON gets the same
+    train_batch_size, each rank holds at most train.max_micro_batch pairs in a forward pass, and the
+    accumulation makes up the rest."""
+    cfg = load_config(REPO / "configs" / f"{preset}.json")
+    assert cfg.train.global_batch is not None, f"configs/{preset}.json states no train.global_batch"
+    for ranks in (4, 8, 32):
+        resolved = resolve(preset, ranks, BF16_GPU)["deepspeed"]
+        micro, accum = resolved["train_micro_batch_size_per_gpu"], resolved["gradient_accumulation_steps"]
+        assert resolved["train_batch_size"] == cfg.train.global_batch == micro * accum * ranks, ranks
+        assert micro <= cfg.train.max_micro_batch, ranks
+        # no more micro-batches than the bound needs: the micro-batch is the share, or near the bound
+        share = cfg.train.global_batch // ranks
+        assert accum == 1 if share <= cfg.train.max_micro_batch else micro * 2 > cfg.train.max_micro_batch
+
+
+@pytest.mark.parametrize("preset", PRESETS)
 def test_every_key_a_preset_sets_has_a_row(preset):
     raw = json.loads((REPO / "configs" / f"{preset}.json").read_text())
     rows = {key for key, _ in SECTIONS[preset]["rows"]}

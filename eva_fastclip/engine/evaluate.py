@@ -1,42 +1,96 @@
-"""Run the configured zero-shot evaluations on a model and present the results beside chance level."""
+"""Run the configured evaluations on a model, on every rank with its share, and present the results.
+
+``evaluate_model`` reads the sets named in ``eval.*`` (the zero-shot folder, ImageNet's validation folder,
+the retrieval shards) and returns one flat dict of metrics, the same on every rank, with the chance level
+beside each. Every rank must call it (``collectives`` carries the process group); it cannot deadlock: a
+rank that fails raises on every rank (evaluation/collectives.py).
+"""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
 
 from eva_fastclip.config import EvalConfig
-from eva_fastclip.data import build_classification_loader, build_retrieval_loader
-from eva_fastclip.evaluation import build_zeroshot_classifier, evaluate_classification, evaluate_retrieval
+from eva_fastclip.evaluation import (
+    ClassificationSet,
+    Collectives,
+    SingleRank,
+    build_zeroshot_classifier,
+    classification_metrics,
+    classify,
+    read_imagenet_folder,
+    read_pair_shards,
+    read_wds_folder,
+    retrieve,
+    run_everywhere,
+)
 from eva_fastclip.models import ModelBundle
 
 
 def evaluate_model(
-    model: nn.Module, bundle: ModelBundle, cfg: EvalConfig, *, device: torch.device, dtype: torch.dtype
+    model: nn.Module,
+    bundle: ModelBundle,
+    cfg: EvalConfig,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    collectives: Collectives | None = None,
+    progress: bool = False,
 ) -> dict[str, float]:
-    """Classification top-1/5 and retrieval R@1/5/10, with the chance level of each beside it."""
+    """Zero-shot top-1/5 (``zeroshot_*`` for eval.zeroshot_dir, ``imagenet_*`` for eval.imagenet_val) and
+    retrieval R@1/5/10 (``retrieval_*``), each with its chance level."""
     autocast = dtype if dtype != torch.float32 else None
+    collectives = collectives or SingleRank()
+    common = dict(
+        preprocess=bundle.preprocess_eval,
+        batch_size=cfg.batch_size,
+        device=device,
+        autocast_dtype=autocast,
+        workers=cfg.workers,
+        collectives=collectives,
+        progress=progress,
+    )
     results: dict[str, float] = {}
-    if cfg.zeroshot_dir:
-        loader, classnames, templates = build_classification_loader(
-            cfg.zeroshot_dir, preprocess=bundle.preprocess_eval, batch_size=cfg.batch_size
-        )
+    classification = [
+        ("zeroshot", cfg.zeroshot_dir, read_wds_folder),
+        ("imagenet", cfg.imagenet_val, read_imagenet_folder),
+    ]
+    for prefix, folder, read in classification:
+        if not folder:
+            continue
+        # read on every rank, and a failure to read raises on every rank (no rank left waiting)
+        evalset = run_everywhere(collectives, device, functools.partial(_classification_set, read, folder))
         classifier = build_zeroshot_classifier(
-            model, bundle.tokenizer, classnames, templates, device=device, autocast_dtype=autocast
+            model,
+            bundle.tokenizer,
+            evalset.classnames,
+            evalset.templates,
+            device=device,
+            autocast_dtype=autocast,
+            collectives=collectives,
+            progress=progress,
         )
-        scores = evaluate_classification(model, classifier, loader, device=device, autocast_dtype=autocast)
-        num_classes = len(classnames)
-        results.update({f"zeroshot_{k}": v for k, v in scores.items()})
-        results["zeroshot_top1_chance"] = 1.0 / num_classes
-        results["zeroshot_top5_chance"] = min(5, num_classes) / num_classes
+        predictions = classify(model, classifier, evalset, **common)
+        scores = classification_metrics(
+            predictions.labels, predictions.label_ranks, predictions.predicted, predictions.num_classes
+        )
+        num_classes = predictions.num_classes
+        results[f"{prefix}_top1"] = scores["top1"]
+        results[f"{prefix}_top5"] = scores.get("top5", 1.0)  # under 5 classes every sample is a top-5 hit
+        results[f"{prefix}_num_samples"] = scores["num_samples"]
+        results[f"{prefix}_top1_chance"] = 1.0 / num_classes
+        results[f"{prefix}_top5_chance"] = min(5, num_classes) / num_classes
+        if prefix == "imagenet":
+            results["imagenet_num_classes"] = num_classes
+        if predictions.num_skipped:
+            results[f"{prefix}_num_skipped"] = predictions.num_skipped
     if cfg.retrieval_shards:
-        loader = build_retrieval_loader(
-            cfg.retrieval_shards,
-            preprocess=bundle.preprocess_eval,
-            tokenize=bundle.tokenizer,
-            batch_size=cfg.batch_size,
-        )
-        scores = evaluate_retrieval(model, loader, device=device, autocast_dtype=autocast)
+        evalset = run_everywhere(collectives, device, lambda: read_pair_shards(cfg.retrieval_shards))
+        scores = retrieve(model, bundle.tokenizer, evalset, **common)
+        scores.pop("num_texts")  # one caption per image
         results.update({f"retrieval_{k}": v for k, v in scores.items()})
         n = scores["num_samples"]
         for k in (1, 5, 10):  # one caption per image: a random ranking hits with probability k/n
@@ -44,15 +98,25 @@ def evaluate_model(
     return results
 
 
+def _classification_set(read, folder: str) -> ClassificationSet:
+    evalset = read(folder)
+    if not isinstance(evalset, ClassificationSet):
+        raise ValueError(
+            f"{folder}: a retrieval folder (dataset_type.txt) where a classification set belongs"
+        )
+    return evalset
+
+
 def format_results(results: dict[str, float]) -> str:
     """A short table: metric, value, chance level."""
     rows = [("metric", "value", "chance")]
-    if "zeroshot_top1" in results:
-        n = int(results["zeroshot_num_samples"])
-        for k in ("top1", "top5"):
-            rows.append(
-                (f"zero-shot {k} ({n} images)", results[f"zeroshot_{k}"], results[f"zeroshot_{k}_chance"])
-            )
+    for prefix, what in (("zeroshot", "zero-shot"), ("imagenet", "ImageNet zero-shot")):
+        if f"{prefix}_top1" in results:
+            n = int(results[f"{prefix}_num_samples"])
+            classes = f", {int(results['imagenet_num_classes'])} classes" if prefix == "imagenet" else ""
+            for k in ("top1", "top5"):
+                chance = results[f"{prefix}_{k}_chance"]
+                rows.append((f"{what} {k} ({n} images{classes})", results[f"{prefix}_{k}"], chance))
     if "retrieval_num_samples" in results:
         n = int(results["retrieval_num_samples"])
         for direction in ("image_to_text", "text_to_image"):

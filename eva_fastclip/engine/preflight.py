@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eva_fastclip.config import ConfigError, ExperimentConfig
+from eva_fastclip.config import ConfigError, ExperimentConfig, batch_layout
 from eva_fastclip.data import DataSizes, expand_urls, resolve_sizes
-from eva_fastclip.data.pipeline import read_classification_folder
+from eva_fastclip.data.eval_loaders import read_classification_folder
 from eva_fastclip.data.sizes import is_remote
 
 log = logging.getLogger(__name__)
@@ -125,71 +125,76 @@ def check_run(
     if urls is None or not sizes:
         return report
     try:
-        report.sizes = resolve_sizes(
-            urls,
-            num_samples=cfg.data.num_samples,
-            index_size=cfg.data.index_size,
-            needs_index=needs_index(cfg),
-            index_key=cfg.data.index_key,
-        )
+        report.sizes = data_sizes(cfg, urls)
     except ValueError as err:
         key = next((k for k in ("data.num_samples", "data.index_size") if k in str(err)), "data.train_shards")
         problems.append(Problem(key, str(err)))
         return report
-    micro_batches = report.sizes.num_samples // (cfg.train.batch_size * world_size)
+    layout = batch_layout(cfg, world_size)
+    micro_batches = report.sizes.num_samples // layout.samples_per_forward
     problems += check_schedule(
         cfg, micro_batches, world_size=world_size, num_samples=report.sizes.num_samples
     )
-    if micro_batches >= cfg.train.grad_accum_steps:
-        report.total_steps = total_steps(cfg, micro_batches)
+    if micro_batches >= layout.grad_accum_steps:
+        report.total_steps = total_steps(cfg, micro_batches, world_size)
     return report
 
 
 # ---- lengths ---------------------------------------------------------------------------------------
 
 
-def total_steps(cfg: ExperimentConfig, micro_batches_per_epoch: int) -> int:
+def total_steps(cfg: ExperimentConfig, micro_batches_per_epoch: int, world_size: int) -> int:
     """Optimizer steps of the run: ``train.steps``, else ``train.epochs`` epochs of whole steps."""
-    return cfg.train.steps or cfg.train.epochs * (micro_batches_per_epoch // cfg.train.grad_accum_steps)
+    accum = batch_layout(cfg, world_size).grad_accum_steps
+    return cfg.train.steps or cfg.train.epochs * (micro_batches_per_epoch // accum)
 
 
 def check_schedule(
     cfg: ExperimentConfig, micro_batches_per_epoch: int, *, world_size: int, num_samples: int | None = None
 ) -> list[Problem]:
     """Lengths that leave the run without meaning, from the micro-batches each rank draws per epoch."""
-    train = cfg.train
+    train, layout = cfg.train, batch_layout(cfg, world_size)
+    micro, accum = layout.micro_batch, layout.grad_accum_steps
+    by_global = train.global_batch is not None  # then the batch keys are derived: name what the user sets
     if micro_batches_per_epoch < 1:
         held = f"an epoch of {num_samples} samples" if num_samples is not None else "an epoch"
+        fix = "lower train.global_batch" if by_global else "lower train.batch_size"
         return [
             Problem(
-                "train.batch_size",
-                f"{held} does not fill one batch of train.batch_size={train.batch_size} on each of "
-                f"{world_size} rank(s) ({train.batch_size * world_size} samples): lower train.batch_size "
-                "or use more data (data.num_samples, data.train_shards)",
+                "train.global_batch" if by_global else "train.batch_size",
+                f"{held} does not fill one batch of {micro} on each of {world_size} rank(s) "
+                f"({layout.samples_per_forward} samples; {layout.source}): {fix} or use more data "
+                "(data.num_samples, data.train_shards)",
             )
         ]
-    if micro_batches_per_epoch < train.grad_accum_steps:
+    if micro_batches_per_epoch < accum:
+        fix = (
+            "lower train.global_batch or raise train.max_micro_batch"
+            if by_global
+            else f"lower train.grad_accum_steps to at most {micro_batches_per_epoch} or train.batch_size"
+        )
         return [
             Problem(
-                "train.grad_accum_steps",
-                f"one epoch has {micro_batches_per_epoch} micro-batches per rank, fewer than "
-                f"train.grad_accum_steps={train.grad_accum_steps}, so it holds no optimizer step: lower "
-                f"train.grad_accum_steps to at most {micro_batches_per_epoch} or train.batch_size",
+                "train.global_batch" if by_global else "train.grad_accum_steps",
+                f"one epoch has {micro_batches_per_epoch} micro-batches per rank, fewer than the "
+                f"{accum} accumulated per optimizer step ({layout.source}), so it holds no optimizer step: "
+                f"{fix}",
             )
         ]
-    pairs = train.batch_size * world_size
+    pairs = layout.samples_per_forward
     if pairs < 2:
         # one pair has no negatives: OpenCLIP's loss is 0, the global contrastive loss is undefined
+        key = "train.max_micro_batch" if by_global else "train.batch_size"
         return [
             Problem(
-                "train.batch_size",
-                f"each loss evaluation sees train.batch_size={train.batch_size} x {world_size} rank(s) = "
-                f"{pairs} pair, and a contrastive loss needs at least 2 (each anchor's negatives are the "
-                "other pairs): raise train.batch_size",
+                key,
+                f"each loss evaluation sees a micro-batch of {micro} x {world_size} rank(s) = {pairs} pair "
+                f"({layout.source}), and a contrastive loss needs at least 2 (each anchor's negatives are "
+                f"the other pairs): raise {key}",
             )
         ]
     problems = []
-    steps = total_steps(cfg, micro_batches_per_epoch)
+    steps = total_steps(cfg, micro_batches_per_epoch, world_size)
     length = f"train.steps={train.steps}" if train.steps else f"train.epochs={train.epochs}: {steps} steps"
     warmup = cfg.optim.warmup_steps
     if warmup >= steps:
@@ -244,6 +249,15 @@ def check_eval(cfg: ExperimentConfig) -> list[Problem]:
             )
         else:
             problems += _unreadable("eval.zeroshot_dir", shards)
+    if cfg.eval.imagenet_val:
+        from eva_fastclip.evaluation import read_imagenet_folder
+
+        try:
+            read_imagenet_folder(cfg.eval.imagenet_val)
+        except (FileNotFoundError, ValueError) as err:
+            problems.append(
+                Problem("eval.imagenet_val", f"{err}; fix the folder or set eval.imagenet_val=null")
+            )
     for i, source in enumerate(cfg.eval.retrieval_shards or []):
         key = "eval.retrieval_shards" + (f"[{i}]" if len(cfg.eval.retrieval_shards) > 1 else "")
         try:
@@ -422,6 +436,20 @@ def needs_index(cfg: ExperimentConfig) -> bool:
     from eva_fastclip.losses import LOSSES, CompositionalLoss
 
     return issubclass(LOSSES[cfg.loss.name], CompositionalLoss)
+
+
+def data_sizes(cfg: ExperimentConfig, urls: list[str] | None = None) -> DataSizes:
+    """The training data's sizes: the config's numbers, the others read from the records of the shards
+    (``urls``, else those of data.train_shards). ValueError naming the key to set where none is."""
+    if urls is None:
+        urls = [url for source in cfg.data.train_shards for url in expand_urls(source)]
+    return resolve_sizes(
+        urls,
+        num_samples=cfg.data.num_samples,
+        index_size=cfg.data.index_size,
+        needs_index=needs_index(cfg),
+        index_key=cfg.data.index_key,
+    )
 
 
 def sizes_dict(report: Report) -> dict[str, Any]:

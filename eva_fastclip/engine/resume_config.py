@@ -104,6 +104,10 @@ RULES: dict[str, Rule] = {
     "optim.lamb_trust_ratio": Rule(CHANGE),
     "train.deepspeed_config": Rule(CHANGE),  # the path; the settings it holds are compared as deepspeed.*
     "train.precision": Rule(ELSEWHERE),
+    # the batch may change (on another number of ranks, train.grad_accum_steps keeps the checkpoint's global
+    # batch unless train.global_batch states it: Trainer._keep_global_batch)
+    "train.global_batch": Rule(CHANGE),
+    "train.max_micro_batch": Rule(CHANGE),
     "train.batch_size": Rule(CHANGE),
     "train.grad_accum_steps": Rule(CHANGE),
     "train.epochs": Rule(CHANGE),
@@ -118,6 +122,8 @@ RULES: dict[str, Rule] = {
     "eval.retrieval_shards": Rule(CHANGE),
     "eval.every_steps": Rule(CHANGE),
     "eval.batch_size": Rule(CHANGE),
+    "eval.imagenet_val": Rule(CHANGE),
+    "eval.workers": Rule(CHANGE),
     "deepspeed.optimizer.type": Rule(FIXED, "the saved optimizer state is that optimizer's"),
     "deepspeed.zero_optimization.stage": Rule(FIXED, "the saved optimizer state is laid out for that stage"),
     "deepspeed.gradient_clipping": Rule(CHANGE),

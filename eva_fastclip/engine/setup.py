@@ -61,13 +61,9 @@ def resolve_deepspeed_config(
     """
     ds = copy.deepcopy(ds)
     owned = [
-        ("train_micro_batch_size_per_gpu", layout.micro_batch, "train.batch_size"),
-        ("gradient_accumulation_steps", layout.grad_accum_steps, "train.grad_accum_steps"),
-        (
-            "train_batch_size",
-            layout.global_batch,
-            f"train.batch_size x train.grad_accum_steps x {layout.world_size} ranks",
-        ),
+        ("train_micro_batch_size_per_gpu", layout.micro_batch, layout.owners()["micro_batch"]),
+        ("gradient_accumulation_steps", layout.grad_accum_steps, layout.owners()["grad_accum_steps"]),
+        ("train_batch_size", layout.global_batch, layout.owners()["global_batch"]),
     ]
     for key, value, owner in owned:
         _fill_or_check(ds, key, value, owner, source)

@@ -98,6 +98,13 @@ class Trainer:
             log.info(kernels.summary())
 
         layout = batch_layout(cfg, self.world_size)
+        if self.is_main:
+            log.info("batch: %s", layout.describe())
+            if layout.warning():
+                log.warning(layout.warning())
+        # the shards' records are read once, by rank 0 (minutes for LAION-400M without data.index_size),
+        # and every rank's loader is handed the sizes, each shard's count included
+        sizes = None if loader is not None else self._on_rank0(lambda: preflight.data_sizes(cfg))
         self.loader = loader or TrainLoader(
             cfg.data.train_shards,
             preprocess=bundle.preprocess_train,
@@ -115,6 +122,7 @@ class Trainer:
             shuffle_buffer=cfg.data.shuffle_buffer,
             workers=cfg.data.workers,
             index_key=cfg.data.index_key,
+            sizes=sizes,
         )
         schedule = preflight.check_schedule(cfg, self.loader.num_batches, world_size=self.world_size)
         preflight.raise_for_errors(schedule, log_warnings=self.is_main)
@@ -192,6 +200,10 @@ class Trainer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
             self._step_log = open_step_log(self.output_dir / STEP_LOG, self.step)
+            # a finished run resumed evaluates its last step again: that step's line is replaced
+            finished = self.step >= self.total_steps
+            self._eval_log = open_step_log(self.output_dir / EVAL_LOG, self.step - finished)
+        self._evaluated: dict[str, Any] | None = None  # this process's latest evaluation, with its step
 
     # ---- the loop ------------------------------------------------------------------------------------
 
@@ -377,9 +389,9 @@ class Trainer:
             return itertools.islice(self.loader, start, None)
         if not self.loader.resume(self.epoch, start, position) and self.is_main:
             log.warning(
-                "epoch %d goes on after micro-batch %d with the shards it has not read yet, not in the saved "
-                "order (there is none for this number of ranks, loader workers and batch): some samples of "
-                "the epoch are seen twice or not at all",
+                "epoch %d goes on after micro-batch %d on another layout (ranks, loader workers, batch) than "
+                "its checkpoint's: approximately, some samples of the epoch may be seen twice or not at all "
+                "(docs/data.md, Resuming an epoch)",
                 self.epoch,
                 start,
             )
@@ -458,26 +470,28 @@ class Trainer:
         return folder, self._on_rank0(lambda: checkpoint.convert_to_universal(folder))
 
     def _keep_global_batch(self, folder: Path, marker: dict[str, Any]) -> None:
-        """On another number of ranks, keep the checkpoint's global batch by changing the accumulation."""
-        saved, ranks, micro = marker.get("global_batch"), self.world_size, self.cfg.train.batch_size
-        if saved is None or batch_layout(self.cfg, ranks).global_batch == saved:
+        """On another number of ranks, keep the checkpoint's global batch: with train.global_batch the
+        layout keeps it already (a changed value is the user's choice); else train.grad_accum_steps
+        changes (config.batch_layout, which refuses what cannot make it)."""
+        saved, ranks, train = marker.get("global_batch"), self.world_size, self.cfg.train
+        if saved is None:
             return
-        if saved % (micro * ranks):
-            if saved % ranks:
-                fix = f"resume on a number of ranks that divides {saved}, e.g. {marker['world_size']}"
-            else:
-                fits = max(b for b in range(1, min(micro, saved // ranks) + 1) if (saved // ranks) % b == 0)
-                fix = (
-                    f"set train.batch_size={fits} and train.grad_accum_steps={saved // ranks // fits} (or "
-                    f"another batch size dividing {saved // ranks}), or resume on other number of ranks"
-                )
-            raise ConfigError(
-                f"{folder} was saved by {marker['world_size']} ranks with a global batch of {saved}; on "
-                f"{ranks} ranks train.batch_size={micro} x train.grad_accum_steps x {ranks} cannot make "
-                f"{saved} (it is no multiple of {micro * ranks}): {fix}"
+        try:
+            layout = batch_layout(self.cfg, ranks, resumed_global=saved)
+        except ConfigError as err:
+            raise ConfigError(f"{folder} was saved by {marker['world_size']} ranks: {err}") from None
+        if train.global_batch is None:
+            before, train.grad_accum_steps = train.grad_accum_steps, layout.grad_accum_steps
+        if not self.is_main:
+            return
+        if train.global_batch is not None and layout.global_batch != saved:
+            log.info(
+                "%s was saved with a global batch of %d; train.global_batch=%d applies from here",
+                folder,
+                saved,
+                layout.global_batch,
             )
-        accum = saved // (micro * ranks)
-        if self.is_main:
+        elif train.global_batch is None and layout.grad_accum_steps != before:
             log.info(
                 "%s was saved by %d ranks: its global batch of %d is kept on %d ranks with "
                 "train.grad_accum_steps=%d (was %d)",
@@ -485,10 +499,9 @@ class Trainer:
                 marker["world_size"],
                 saved,
                 ranks,
-                accum,
-                self.cfg.train.grad_accum_steps,
+                layout.grad_accum_steps,
+                before,
             )
-        self.cfg.train.grad_accum_steps = accum
 
     def _on_rank0(self, fn):
         """``fn()`` run by rank 0, and its result (or its exception) on every rank."""
@@ -525,13 +538,31 @@ class Trainer:
         # the checkpoint's state, unchanged: no save of this step replaces the folder it came from (converted
         # from another number of ranks, the original keeps every rank's files; its conversion is reused)
         self._saved_step = self.step
-        self._loader_position = own["loader"] if own else None
+        same_ranks = checkpoint.read_marker(folder)["world_size"] == self.world_size
+        # on another number of ranks every rank re-tiles the epoch's rest from the same position: rank 0's
+        position = own if same_ranks else checkpoint.load_rank_state(folder, 0)
+        self._loader_position = position["loader"] if position else None
+        if hasattr(self.loader, "load_skipped"):  # train/data/skipped* go on from the checkpoint's
+            self.loader.load_skipped(self._saved_skips(folder, own))
         if self.is_main:
             log.info("resumed from %s at step %d (epoch %d)", folder, self.step, self.epoch)
         if own is not None:
             set_rng_state(own["rng"])
         else:  # no state of this rank: fresh draws, different from the run's start and on every rank
             seed_everything(zlib.crc32(f"{self.cfg.train.seed}:{self.step}:{self.rank}".encode()))
+
+    def _saved_skips(self, folder: Path, own: dict[str, Any] | None) -> dict[str, int]:
+        """This rank's part of the checkpoint's skipped-sample counts (they are logged summed over ranks):
+        its own on as many ranks; on another number, rank 0 takes the sum of every saved rank's."""
+        saved_ranks = checkpoint.read_marker(folder)["world_size"]
+        if saved_ranks == self.world_size:
+            return ((own or {}).get("loader") or {}).get("skipped", {})
+        total: dict[str, int] = {}
+        for rank in range(saved_ranks if self.is_main else 0):
+            saved = (checkpoint.load_rank_state(folder, rank) or {}).get("loader") or {}
+            for reason, count in saved.get("skipped", {}).items():
+                total[reason] = total.get(reason, 0) + count
+        return total
 
     def _retarget_schedule(self) -> None:
         """Stretch the lr decay over a changed train.steps / train.epochs (setup.WarmupCosine), and end it
@@ -593,20 +624,33 @@ class Trainer:
         self._step_log.flush()
 
     def evaluate(self, final: bool = False) -> dict[str, float]:
-        """Zero-shot classification and retrieval on rank 0 (the others wait); weights are whole on every
-        rank under ZeRO stages 0-2."""
-        results: dict[str, float] = {}
-        if self.is_main and (self.cfg.eval.zeroshot_dir or self.cfg.eval.retrieval_shards):
+        """Every configured evaluation, on every rank with its share of the images (engine.module: the
+        weights are whole on every rank under ZeRO stages 0-2); every rank must call it. Rank 0 appends
+        {step, epoch, metrics} to eval_results.jsonl and logs TensorBoard's eval/*. Once per step: the
+        final call reuses the results of an evaluation at this step."""
+        eval_cfg = self.cfg.eval
+        if self._evaluated is not None and self._evaluated["step"] == self.step:
+            results = {k: v for k, v in self._evaluated.items() if k not in ("step", "epoch")}
+        elif eval_cfg.zeroshot_dir or eval_cfg.imagenet_val or eval_cfg.retrieval_shards:
             results = evaluate_model(
-                self.engine.module, self.bundle, self.cfg.eval, device=self.device, dtype=self.input_dtype
+                self.engine.module,
+                self.bundle,
+                eval_cfg,
+                device=self.device,
+                dtype=self.input_dtype,
+                collectives=Gatherer.from_process_group(),
             )
-            self._log({f"eval/{k}": v for k, v in results.items()}, prefix="")
-            if final:
-                print(format_results(results), flush=True)
-                summary = {"step": self.step, **results}
-                (self.output_dir / "final_metrics.json").write_text(json.dumps(summary, indent=2))
-        if dist.is_initialized():
-            dist.barrier()
+            self._evaluated = {"step": self.step, "epoch": self.epoch, **results}
+            if self.is_main:
+                self._eval_log.write(json.dumps(self._evaluated) + "\n")
+                self._eval_log.flush()
+                self._log({f"eval/{k}": v for k, v in results.items()}, prefix="")
+        else:
+            results = {}
+        if final and results and self.is_main:
+            print(format_results(results), flush=True)
+            summary = {"step": self.step, **results}
+            (self.output_dir / "final_metrics.json").write_text(json.dumps(summary, indent=2))
         return results
 
     def _skipped_samples(self) -> dict[str, float]:
@@ -686,6 +730,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 #: one line of metrics per optimizer step, in train.output_dir
 STEP_LOG = "train_log.jsonl"
+EVAL_LOG = "eval_results.jsonl"  # one line per evaluated step, kept as the step log is on resume
 
 
 def open_step_log(path: Path, step: int):
@@ -703,6 +748,14 @@ def open_step_log(path: Path, step: int):
         tmp.write_text("".join(kept))
         os.replace(tmp, path)
     return open(path, "a")
+    for line in reversed(path.read_text().splitlines()):
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut short by a kill
+            continue
+        if isinstance(record, dict) and record.get("step") == step:
+            return record
+    return None
 
 
 def init_process_group() -> tuple[int, int, torch.device]:

@@ -1,12 +1,32 @@
-"""Zero-shot classification and image-text retrieval evaluation (single process, unwrapped model)."""
+"""Zero-shot classification, image-text retrieval and DataComp's benchmark suite, on every rank with its
+share (an unwrapped model; the ranks meet only through a ``Collectives`` object: collectives.py)."""
 
-from .metrics import retrieval_recall, topk_accuracy
-from .zeroshot import build_zeroshot_classifier, evaluate_classification, evaluate_retrieval
+from .collectives import Collectives, EvaluationFailed, SingleRank, run_everywhere
+from .datacomp import TASKS, evaluate_datacomp, format_datacomp
+from .metrics import classification_metrics, label_ranks, retrieval_recall, topk_accuracy
+from .sets import ClassificationSet, RetrievalSet, read_imagenet_folder, read_pair_shards, read_wds_folder
+from .zeroshot import Predictions, build_zeroshot_classifier, classify, fill_template, retrieve
 
 __all__ = [
+    "TASKS",
+    "ClassificationSet",
+    "Collectives",
+    "EvaluationFailed",
+    "Predictions",
+    "RetrievalSet",
+    "SingleRank",
     "build_zeroshot_classifier",
-    "evaluate_classification",
-    "evaluate_retrieval",
+    "classification_metrics",
+    "classify",
+    "evaluate_datacomp",
+    "fill_template",
+    "format_datacomp",
+    "label_ranks",
+    "read_imagenet_folder",
+    "read_pair_shards",
+    "read_wds_folder",
     "retrieval_recall",
+    "retrieve",
+    "run_everywhere",
     "topk_accuracy",
 ]

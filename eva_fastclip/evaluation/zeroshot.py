@@ -1,20 +1,240 @@
-"""Zero-shot classification and retrieval evaluation for open_clip-style models.
+"""Zero-shot classification and image-text retrieval on every rank, each with its share.
 
-Works on a plain (unwrapped) model exposing `encode_image(images, normalize=True)` and
-`encode_text(tokens, normalize=True)`; nothing here knows about DeepSpeed or torch.distributed.
+Works on a plain (unwrapped) model exposing ``encode_image(images)`` and ``encode_text(tokens)``; the
+ranks meet only through ``collectives`` (see collectives.py): the classifier's classes are split between
+ranks (class c on rank c mod W), the images in whole batches (samples.py), and what each rank computed is
+gathered once at the end, so every rank returns the same result, equal to one rank's.
+
+Embeddings are computed as clip_benchmark computes them (normalised in float32; a class's embedding is the
+re-normalised mean over its prompts, all prompts of one class in one batch), so in fp32 the scores agree
+with clip_benchmark's evaluator exactly.
 """
 
-import contextlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from .metrics import retrieval_recall, topk_hits
+from .collectives import Collectives, SingleRank, gather_rows, run_everywhere
+from .metrics import label_ranks, retrieval_recall
+from .samples import SampleDataset, share_loader
+from .sets import ClassificationSet, RetrievalSet
 
 Device = torch.device | str
+Preprocess = Callable[..., Tensor]
+Tokenize = Callable[[list[str]], Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class Predictions:
+    """Per evaluated sample, in sample order: its label, the rank of the label among the classes (the
+    number of other classes scoring at least as high: ties never count in the model's favour), the
+    top-scoring class and the sample's metadata row (WILDS and fairness sets; else None)."""
+
+    ordinals: Tensor
+    labels: Tensor
+    label_ranks: Tensor
+    predicted: Tensor
+    metadata: Tensor | None
+    num_classes: int
+    num_skipped: int
+
+
+@torch.no_grad()
+def build_zeroshot_classifier(
+    model: nn.Module,
+    tokenize: Tokenize,
+    classnames: Sequence[str],
+    templates: Sequence[str],
+    *,
+    device: Device,
+    autocast_dtype: torch.dtype | None = None,
+    collectives: Collectives | None = None,
+    progress: bool = False,
+) -> Tensor:
+    """The zero-shot classifier [d, C] in float32 on ``device``, the same on every rank.
+
+    Each template marks the class name's place with "{c}" (clip_benchmark's convention) or "{}". Column c
+    is the mean of the L2-normalised text embeddings of class c over all templates, re-normalised.
+    """
+    collectives = collectives or SingleRank()
+    if not classnames or not templates:
+        raise ValueError("need at least one class name and one template")
+    own = range(collectives.rank, len(classnames), collectives.world_size)
+
+    def encode_own_classes() -> Tensor:
+        columns = []
+        with _eval_mode(model), _autocast(device, autocast_dtype):
+            for c in tqdm(own, desc="zero-shot classifier", disable=not progress):
+                texts = [fill_template(template, classnames[c]) for template in templates]
+                embeddings = F.normalize(_encode_texts(model, tokenize(texts), device), dim=-1)
+                mean = embeddings.mean(dim=0)
+                columns.append(mean / mean.norm())
+        return torch.stack(columns) if columns else torch.zeros(0)
+
+    rows = run_everywhere(collectives, device, encode_own_classes)
+    rows = gather_rows(collectives, rows, device)
+    order = gather_rows(collectives, torch.tensor(list(own), dtype=torch.int64), device)
+    classifier = torch.empty_like(rows)
+    classifier[order] = rows
+    return classifier.T.contiguous()
+
+
+@torch.no_grad()
+def classify(
+    model: nn.Module,
+    classifier: Tensor,
+    evalset: ClassificationSet,
+    *,
+    preprocess: Preprocess,
+    batch_size: int,
+    device: Device,
+    autocast_dtype: torch.dtype | None = None,
+    workers: int = 0,
+    collectives: Collectives | None = None,
+    progress: bool = False,
+) -> Predictions:
+    """Score this rank's share of ``evalset`` against ``classifier`` [d, C]; every rank gets every rank's
+    predictions. A label outside the class list stops the evaluation on every rank."""
+    collectives = collectives or SingleRank()
+    classifier = classifier.to(device=device, dtype=torch.float32)
+    num_classes = classifier.shape[1]
+
+    def score_own_share() -> dict[str, Tensor]:
+        parts: dict[str, list[Tensor]] = {
+            "ordinals": [],
+            "labels": [],
+            "ranks": [],
+            "predicted": [],
+            "meta": [],
+        }
+        dataset = SampleDataset(evalset.samples, preprocess, evalset.target)
+        loader = share_loader(
+            dataset,
+            batch_size=batch_size,
+            rank=collectives.rank,
+            world_size=collectives.world_size,
+            workers=workers,
+        )
+        with _eval_mode(model):
+            for ordinals, images, targets in tqdm(loader, desc=evalset.name, disable=not progress):
+                if images is None:
+                    continue
+                labels = torch.tensor([label for label, _ in targets], dtype=torch.int64)
+                bad = labels[(labels < 0) | (labels >= num_classes)]
+                if len(bad):
+                    raise ValueError(
+                        f"{evalset.name}: class label {int(bad[0])} outside [0, {num_classes}): the class "
+                        "list (classnames.txt) does not match the shards"
+                    )
+                with _autocast(device, autocast_dtype):
+                    features = F.normalize(_encode_images(model, images, device), dim=-1)
+                logits = features @ classifier
+                parts["ordinals"].append(ordinals)
+                parts["labels"].append(labels)
+                parts["ranks"].append(label_ranks(logits, labels.to(logits.device)).cpu())
+                parts["predicted"].append(logits.argmax(dim=1).cpu())
+                if targets[0][1] is not None:
+                    parts["meta"].append(torch.as_tensor(np.stack([meta for _, meta in targets])).double())
+        return {key: torch.cat(values) if values else torch.zeros(0) for key, values in parts.items()}
+
+    own = run_everywhere(collectives, device, score_own_share)
+    gathered = {
+        key: gather_rows(collectives, value.to(torch.float64 if key == "meta" else torch.int64), device).cpu()
+        for key, value in own.items()
+    }
+    order = gathered["ordinals"].argsort()
+    if gathered["meta"].numel() and len(gathered["meta"]) != len(order):
+        raise ValueError(f"{evalset.name}: some samples carry a .npy metadata row and others do not")
+    metadata = gathered["meta"][order] if gathered["meta"].numel() else None
+    return Predictions(
+        ordinals=gathered["ordinals"][order],
+        labels=gathered["labels"][order],
+        label_ranks=gathered["ranks"][order],
+        predicted=gathered["predicted"][order],
+        metadata=metadata,
+        num_classes=num_classes,
+        num_skipped=len(evalset.samples) - len(order),
+    )
+
+
+@torch.no_grad()
+def retrieve(
+    model: nn.Module,
+    tokenize: Tokenize,
+    evalset: RetrievalSet,
+    *,
+    preprocess: Preprocess,
+    batch_size: int,
+    device: Device,
+    autocast_dtype: torch.dtype | None = None,
+    workers: int = 0,
+    collectives: Collectives | None = None,
+    progress: bool = False,
+    ks: Sequence[int] = (1, 5, 10),
+) -> dict[str, float]:
+    """Image->text and text->image Recall@k over ``evalset`` (an image hits if any of its captions is in
+    its top k), each rank encoding its share; keys of ``metrics.retrieval_recall`` plus "num_samples"
+    (images) and "num_texts"."""
+    collectives = collectives or SingleRank()
+
+    def encode_own_share() -> dict[str, Tensor]:
+        parts: dict[str, list[Tensor]] = {"images": [], "ordinals": [], "texts": [], "owners": []}
+        dataset = SampleDataset(evalset.samples, preprocess, evalset.target)
+        loader = share_loader(
+            dataset,
+            batch_size=batch_size,
+            rank=collectives.rank,
+            world_size=collectives.world_size,
+            workers=workers,
+        )
+        with _eval_mode(model):
+            for ordinals, images, captions in tqdm(loader, desc=evalset.name, disable=not progress):
+                if images is None:
+                    continue
+                texts = [text for per_image in captions for text in per_image]
+                owners = [int(o) for o, per_image in zip(ordinals, captions) for _ in per_image]
+                with _autocast(device, autocast_dtype):
+                    parts["images"].append(F.normalize(_encode_images(model, images, device), dim=-1).cpu())
+                    if texts:
+                        encoded = _encode_texts(model, tokenize(texts), device)
+                        parts["texts"].append(F.normalize(encoded, dim=-1).cpu())
+                parts["ordinals"].append(ordinals)
+                parts["owners"].append(torch.tensor(owners, dtype=torch.int64))
+        return {key: torch.cat(values) if values else torch.zeros(0) for key, values in parts.items()}
+
+    own = run_everywhere(collectives, device, encode_own_share)
+    gathered = {
+        key: gather_rows(
+            collectives, value.to(torch.int64 if key in ("ordinals", "owners") else torch.float32), device
+        )
+        for key, value in own.items()
+    }
+    if not len(gathered["ordinals"]):
+        raise ValueError(f"{evalset.name}: no sample could be read")
+    order = gathered["ordinals"].argsort()
+    images, ordinals = gathered["images"][order], gathered["ordinals"][order]
+    text_order = torch.sort(gathered["owners"], stable=True).indices
+    texts, owners = gathered["texts"][text_order], gathered["owners"][text_order]
+    text_to_image = torch.searchsorted(ordinals, owners)
+    metrics = retrieval_recall(images, texts, text_to_image, ks)
+    return {**metrics, "num_samples": len(images), "num_texts": len(texts)}
+
+
+def fill_template(template: str, classname: str) -> str:
+    """Put the class name into a prompt template written with "{c}" or "{}"."""
+    if "{c}" in template:
+        return template.replace("{c}", classname)
+    if "{}" in template:
+        return template.replace("{}", classname)
+    raise ValueError(f"prompt template {template!r} has no '{{c}}' placeholder for the class name")
 
 
 @contextlib.contextmanager
@@ -45,110 +265,8 @@ def _input_dtype(model: nn.Module) -> torch.dtype:
 
 def _encode_images(model: nn.Module, images: Tensor, device: Device) -> Tensor:
     images = images.to(device=device, dtype=_input_dtype(model), non_blocking=True)
-    # Re-normalise in float32: under autocast the model's own normalisation ran in low precision.
-    return F.normalize(model.encode_image(images, normalize=True).float(), dim=-1)
+    return model.encode_image(images).float()  # normalised by the caller in float32, as clip_benchmark
 
 
 def _encode_texts(model: nn.Module, tokens: Tensor, device: Device) -> Tensor:
-    tokens = tokens.to(device=device, non_blocking=True)
-    return F.normalize(model.encode_text(tokens, normalize=True).float(), dim=-1)
-
-
-@torch.no_grad()
-def build_zeroshot_classifier(
-    model: nn.Module,
-    tokenize: Callable[[list[str]], Tensor],
-    classnames: Sequence[str],
-    templates: Sequence[str],
-    *,
-    device: Device,
-    batch_size: int = 256,
-    autocast_dtype: torch.dtype | None = None,
-    progress: bool = False,
-) -> Tensor:
-    """Return the zero-shot classifier [d, C] in float32 on `device`.
-
-    Each template marks the class name's place with "{c}" (clip_benchmark's convention) or "{}".
-    Column c is the mean of the L2-normalised text embeddings of class c over all templates,
-    re-normalised.
-    """
-    if not classnames or not templates:
-        raise ValueError("need at least one class name and one template")
-    texts = [fill_template(template, name) for name in classnames for template in templates]
-    chunks = []
-    with _eval_mode(model), _autocast(device, autocast_dtype):
-        for start in tqdm(
-            range(0, len(texts), batch_size), desc="zero-shot classifier", disable=not progress
-        ):
-            chunks.append(_encode_texts(model, tokenize(texts[start : start + batch_size]), device))
-    embeddings = torch.cat(chunks).view(len(classnames), len(templates), -1)
-    return F.normalize(embeddings.mean(dim=1), dim=-1).T.contiguous()
-
-
-@torch.no_grad()
-def evaluate_classification(
-    model: nn.Module,
-    classifier: Tensor,
-    loader: Iterable[tuple[Tensor, Tensor]],
-    *,
-    device: Device,
-    autocast_dtype: torch.dtype | None = None,
-    progress: bool = False,
-) -> dict[str, float]:
-    """Zero-shot top-1/top-5 accuracy over (images, integer labels) batches.
-
-    Returns {"top1", "top5", "num_samples"}.
-    """
-    classifier = classifier.to(device=device, dtype=torch.float32)
-    # Count hits batch by batch rather than keeping the full [N, C] logits matrix.
-    hits = {"top1": 0, "top5": 0}
-    num_samples = 0
-    with _eval_mode(model):
-        for images, labels in tqdm(loader, desc="zero-shot classification", disable=not progress):
-            with _autocast(device, autocast_dtype):
-                features = _encode_images(model, images, device)
-            logits = features @ classifier
-            for name, batch_hits in topk_hits(logits, labels.to(device), ks=(1, 5)).items():
-                hits[name] += int(batch_hits.sum())
-            num_samples += len(labels)
-    if num_samples == 0:
-        raise ValueError("classification loader yielded no samples")
-    return {name: count / num_samples for name, count in hits.items()} | {"num_samples": num_samples}
-
-
-@torch.no_grad()
-def evaluate_retrieval(
-    model: nn.Module,
-    loader: Iterable[tuple[Tensor, Tensor]],
-    *,
-    device: Device,
-    autocast_dtype: torch.dtype | None = None,
-    progress: bool = False,
-) -> dict[str, float]:
-    """Image<->text Recall@1/5/10 over (images, tokens) batches holding one caption per image, in order.
-
-    Returns the keys of `retrieval_recall` plus "num_samples".
-    """
-    image_chunks, text_chunks = [], []
-    with _eval_mode(model):
-        for images, tokens in tqdm(loader, desc="retrieval", disable=not progress):
-            if len(images) != len(tokens):
-                raise ValueError(f"expected one caption per image, got {len(images)} and {len(tokens)}")
-            with _autocast(device, autocast_dtype):
-                image_chunks.append(_encode_images(model, images, device).cpu())
-                text_chunks.append(_encode_texts(model, tokens, device).cpu())
-    if not image_chunks:
-        raise ValueError("retrieval loader yielded no samples")
-    image_features, text_features = torch.cat(image_chunks), torch.cat(text_chunks)
-    num_samples = len(image_features)
-    metrics = retrieval_recall(image_features, text_features, torch.arange(num_samples))
-    return {**metrics, "num_samples": num_samples}
-
-
-def fill_template(template: str, classname: str) -> str:
-    """Put the class name into a prompt template written with "{c}" or "{}"."""
-    if "{c}" in template:
-        return template.replace("{c}", classname)
-    if "{}" in template:
-        return template.replace("{}", classname)
-    raise ValueError(f"prompt template {template!r} has no '{{c}}' placeholder for the class name")
+    return model.encode_text(tokens.to(device=device, non_blocking=True)).float()

@@ -1,0 +1,296 @@
+"""DataComp's 38 zero-shot tasks, the benchmark the FastCLIP paper reports, on the clip_benchmark webdataset
+folders found under a local datasets root (nothing is downloaded).
+
+The task table is DataComp's ``tasklist.yml`` (github.com/mlfoundations/datacomp at commit
+4a8df1992566ef8334773f7152e1855b1f716162): key, name and main metric of each task, written out here once
+because no installed package ships it. Its FairFace and UTKFace entries have no main metric in DataComp's
+results (its aggregate drops them), which leaves the 38 tasks below.
+
+Folders: DataComp's ``download_evalsets.py`` names a task's folder ``wds_<key, "/" as "-">_test`` (the
+fairness tasks without their "fairness/" prefix); clip_benchmark's hub copies are ``wds_<key>``; either is
+found. DataComp reads Flickr and MSCOCO from Hugging Face datasets (nlphuji); we read clip_benchmark's
+retrieval folders of the same test splits (``wds_flickr30k``: Karpathy's 1k, ``wds_mscoco_captions``:
+Karpathy's 5k). WinoGAViL has no webdataset folder and is always reported missing.
+
+Main metrics as DataComp's evaluation computes them: ``acc1``; ``mean_per_class_recall`` (balanced
+accuracy); ``mean_recall@1`` (the mean of image and text retrieval R@1); ``F1-macro_all`` (iWildCam: macro
+F1 over the labels present); ``acc_worst_region`` (FMoW: the lowest accuracy over the regions present,
+metadata column 0); ``acc_top5_wg`` (Dollar Street: the lowest top-5 accuracy over income groups, column
+0); ``acc_wg`` (GeoDE: the lowest accuracy over regions, column 0).
+
+The three numbers FastCLIP reports: the DataComp average (all tasks), the retrieval average (Flickr,
+MSCOCO, WinoGAViL) and the ImageNet-and-variants average (ImageNet-1k, -V2, -Sketch, -A, -R, ObjectNet).
+With tasks missing each is the mean over the tasks evaluated, and says how many of how many.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .collectives import Collectives, SingleRank, run_everywhere
+from .metrics import classification_metrics, macro_f1, worst_group
+from .sets import ClassificationSet, RetrievalSet, read_wds_folder
+from .zeroshot import Preprocess, Tokenize, build_zeroshot_classifier, classify, retrieve
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    key: str
+    name: str
+    main_metric: str = "acc1"
+    folders: tuple[str, ...] | None = ()
+    """Folder names to look for under the datasets root; empty: DataComp's and clip_benchmark's; None: the
+    task has no webdataset folder."""
+
+    def folder_names(self) -> tuple[str, ...]:
+        if self.folders is None or self.folders:
+            return self.folders or ()
+        name = self.key.removeprefix("fairness/").replace("/", "-")
+        return (f"wds_{name}_test", f"wds_{name}")
+
+
+# DataComp's tasklist.yml, in its order (see the module docstring for the commit)
+TASKS: tuple[Task, ...] = (
+    Task("vtab/caltech101", "Caltech-101", "mean_per_class_recall"),
+    Task("cifar10", "CIFAR-10"),
+    Task("vtab/cifar100", "CIFAR-100"),
+    Task("vtab/clevr_count_all", "CLEVR Counts"),
+    Task("vtab/clevr_closest_object_distance", "CLEVR Distance"),
+    Task("country211", "Country211"),
+    Task("vtab/dtd", "Describable Textures"),
+    Task("vtab/eurosat", "EuroSAT"),
+    Task("fgvc_aircraft", "FGVC Aircraft", "mean_per_class_recall"),
+    Task("food101", "Food-101"),
+    Task("gtsrb", "GTSRB"),
+    Task("imagenet1k", "ImageNet 1k"),
+    Task("imagenet_sketch", "ImageNet Sketch"),
+    Task("imagenetv2", "ImageNet v2"),
+    Task("imagenet-a", "ImageNet-A"),
+    Task("imagenet-o", "ImageNet-O"),
+    Task("imagenet-r", "ImageNet-R"),
+    Task("vtab/kitti_closest_vehicle_distance", "KITTI Vehicle Distance"),
+    Task("mnist", "MNIST"),
+    Task("objectnet", "ObjectNet"),
+    Task("vtab/flowers", "Oxford Flowers-102", "mean_per_class_recall"),
+    Task("vtab/pets", "Oxford-IIIT Pet", "mean_per_class_recall"),
+    Task("voc2007", "Pascal VOC 2007"),
+    Task("vtab/pcam", "PatchCamelyon"),
+    Task("renderedsst2", "Rendered SST2"),
+    Task("vtab/resisc45", "RESISC45"),
+    Task("cars", "Stanford Cars"),
+    Task("stl10", "STL-10"),
+    Task("sun397", "SUN397"),
+    Task("vtab/svhn", "SVHN"),
+    Task(
+        "retrieval/flickr_1k_test_image_text_retrieval",
+        "Flickr",
+        "mean_recall@1",
+        folders=("wds_flickr30k", "wds_flickr30k_test"),
+    ),
+    Task(
+        "retrieval/mscoco_2014_5k_test_image_text_retrieval",
+        "MSCOCO",
+        "mean_recall@1",
+        folders=("wds_mscoco_captions", "wds_mscoco_captions_test"),
+    ),
+    Task("misc/winogavil", "WinoGAViL", "jaccard_score_10-12", folders=None),
+    Task("wilds/iwildcam", "iWildCam", "F1-macro_all"),
+    Task("wilds/camelyon17", "Camelyon17"),
+    Task("wilds/fmow", "FMoW", "acc_worst_region"),
+    Task("fairness/dollar_street", "Dollar Street", "acc_top5_wg"),
+    Task("fairness/geode", "GeoDE", "acc_wg"),
+)
+RETRIEVAL = ("Flickr", "MSCOCO", "WinoGAViL")
+IMAGENET_AND_VARIANTS = (
+    "ImageNet 1k",
+    "ImageNet v2",
+    "ImageNet Sketch",
+    "ImageNet-A",
+    "ImageNet-R",
+    "ObjectNet",
+)
+AVERAGES = {
+    "datacomp_average": tuple(task.name for task in TASKS),
+    "retrieval_average": RETRIEVAL,
+    "imagenet_and_variants_average": IMAGENET_AND_VARIANTS,
+}
+# main metrics computed from a classification's predictions and metadata column 0 (the group)
+_GROUP_METRICS: dict[str, Callable[[Any], float]] = {
+    "F1-macro_all": lambda p: macro_f1(p.labels, p.predicted),
+    "acc_worst_region": lambda p: worst_group(p.label_ranks < 1, _group_column(p)),
+    "acc_top5_wg": lambda p: worst_group(p.label_ranks < 5, _group_column(p)),
+    "acc_wg": lambda p: worst_group(p.label_ranks < 1, _group_column(p)),
+}
+
+
+def find_task_folders(root: str | os.PathLike) -> tuple[dict[Task, Path], list[Task]]:
+    """The tasks whose folder exists under ``root`` (with the folder) and the tasks without one."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: no such datasets root (a folder of clip_benchmark wds_* folders)")
+    found, missing = {}, []
+    for task in TASKS:
+        folder = next((root / name for name in task.folder_names() if (root / name).is_dir()), None)
+        if folder is None:
+            missing.append(task)
+        else:
+            found[task] = folder
+    return found, missing
+
+
+@torch.no_grad()
+def evaluate_datacomp(
+    model: nn.Module,
+    *,
+    tokenize: Tokenize,
+    preprocess: Preprocess,
+    datasets_root: str | os.PathLike,
+    batch_size: int,
+    device: torch.device | str,
+    autocast_dtype: torch.dtype | None = None,
+    workers: int = 0,
+    collectives: Collectives | None = None,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Every task found under ``datasets_root``: ``{"tasks": [per task: key, name, folder, main_metric,
+    metrics], "missing": [keys], "averages": {name: {"value", "tasks", "of"}}}``, the same on every rank."""
+    collectives = collectives or SingleRank()
+    found = _found_on_every_rank(datasets_root, collectives, device)
+    missing = [task for task in TASKS if task not in found]
+    if not found:
+        raise FileNotFoundError(
+            f"{datasets_root}: no DataComp task folder found (looked for e.g. "
+            f"{' or '.join(TASKS[11].folder_names())} for ImageNet 1k)"
+        )
+    common = dict(
+        preprocess=preprocess,
+        batch_size=batch_size,
+        device=device,
+        autocast_dtype=autocast_dtype,
+        workers=workers,
+        collectives=collectives,
+        progress=progress,
+    )
+    rows = []
+    for task, folder in found.items():
+        log.info("DataComp task %s (%s)", task.name, folder)
+        evalset = run_everywhere(collectives, device, functools.partial(_read_task, task, folder))
+        if task.main_metric == "mean_recall@1":
+            recall = retrieve(model, tokenize, evalset, **common)
+            metrics = {
+                **{f"image_retrieval_recall@{k}": recall[f"text_to_image_R@{k}"] for k in (1, 5, 10)},
+                **{f"text_retrieval_recall@{k}": recall[f"image_to_text_R@{k}"] for k in (1, 5, 10)},
+                "num_samples": recall["num_samples"],
+            }
+            metrics["mean_recall@1"] = 0.5 * (
+                metrics["image_retrieval_recall@1"] + metrics["text_retrieval_recall@1"]
+            )
+        else:
+            classifier = build_zeroshot_classifier(
+                model,
+                tokenize,
+                evalset.classnames,
+                evalset.templates,
+                device=device,
+                autocast_dtype=autocast_dtype,
+                collectives=collectives,
+                progress=progress,
+            )
+            predictions = classify(model, classifier, evalset, **common)
+            scores = classification_metrics(
+                predictions.labels, predictions.label_ranks, predictions.predicted, predictions.num_classes
+            )
+            metrics = {
+                "acc1": scores.pop("top1"),
+                **({"acc5": scores.pop("top5")} if "top5" in scores else {}),
+            }
+            metrics.update(scores)
+            if task.main_metric in _GROUP_METRICS:
+                metrics[task.main_metric] = _GROUP_METRICS[task.main_metric](predictions)
+            if predictions.num_skipped:
+                metrics["num_skipped"] = predictions.num_skipped
+        rows.append(
+            {
+                "key": task.key,
+                "name": task.name,
+                "folder": str(folder),
+                "main_metric": metrics[task.main_metric],
+                "main_metric_name": task.main_metric,
+                "metrics": metrics,
+            }
+        )
+    return {
+        "suite": "datacomp",
+        "tasks": rows,
+        "missing": [task.key for task in missing],
+        "averages": averages(rows),
+    }
+
+
+def averages(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The three averages over the tasks evaluated: value (None without any), tasks evaluated, of how many."""
+    scores = {row["name"]: row["main_metric"] for row in rows}
+    result = {}
+    for name, members in AVERAGES.items():
+        present = [scores[member] for member in members if member in scores]
+        value = math.fsum(present) / len(present) if present else None
+        result[name] = {"value": value, "tasks": len(present), "of": len(members)}
+    return result
+
+
+def format_datacomp(results: dict[str, Any]) -> str:
+    """Per-task rows (main metric), then the three averages, each with how many of its tasks it covers."""
+    width = max([len(row["name"]) for row in results["tasks"]] + [30])
+    lines = [f"{'task':<{width}}  {'main metric':<22}  value"]
+    for row in results["tasks"]:
+        lines.append(f"{row['name']:<{width}}  {row['main_metric_name']:<22}  {row['main_metric']:.4f}")
+    lines.append("")
+    for name, average in results["averages"].items():
+        value = "n/a" if average["value"] is None else f"{average['value']:.4f}"
+        partial = "" if average["tasks"] == average["of"] else "  (partial)"
+        lines.append(f"{name:<{width}}  {average['tasks']:>2} of {average['of']:<16}  {value}{partial}")
+    if results["missing"]:
+        lines.append(f"missing ({len(results['missing'])}): {', '.join(results['missing'])}")
+    return "\n".join(lines)
+
+
+def _group_column(predictions: Any) -> torch.Tensor:
+    if predictions.metadata is None or predictions.metadata.ndim != 2:
+        raise ValueError(
+            "this task's main metric groups samples by their .npy metadata; the shards carry none"
+        )
+    return predictions.metadata[:, 0]
+
+
+def _found_on_every_rank(root: str | os.PathLike, collectives: Collectives, device) -> dict[Task, Path]:
+    """The task folders under ``root``, checked to be the same on every rank (each rank reads its own
+    share of every task: a task only some ranks see would leave the others waiting)."""
+    found = run_everywhere(collectives, device, lambda: find_task_folders(root)[0])
+    mine = torch.tensor([[task in found for task in TASKS]], dtype=torch.int64, device=device)
+    everyone = collectives.gather(mine)
+    if not bool((everyone == everyone[0]).all()):
+        raise ValueError(
+            f"{root}: the ranks see different task folders; give every rank the same datasets root"
+        )
+    return found
+
+
+def _read_task(task: Task, folder: Path) -> ClassificationSet | RetrievalSet:
+    evalset = read_wds_folder(folder, name=task.key)
+    retrieval = task.main_metric == "mean_recall@1"
+    if retrieval != isinstance(evalset, RetrievalSet):
+        kind = "a retrieval task (dataset_type.txt: retrieval)" if retrieval else "a classification task"
+        raise ValueError(f"{folder}: {task.name} is {kind}; the folder holds the other kind")
+    return evalset

@@ -1,0 +1,200 @@
+"""DataComp's suite on a datasets root of tiny clip_benchmark folders (both folder namings, classification,
+retrieval with several captions, WILDS and fairness metadata): each task's main metric against a float64
+reference written out here, the three averages FastCLIP reports, and ``eva-fastclip eval --suite``."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from eval_sets import (
+    CAPTIONS,
+    DIM,
+    FakeModel,
+    fake_tokenize,
+    vector_preprocess,
+    write_classification_folder,
+    write_retrieval_folder,
+)
+
+from eva_fastclip.cli import main
+from eva_fastclip.config import load_config
+from eva_fastclip.evaluation import TASKS, evaluate_datacomp
+from eva_fastclip.evaluation.datacomp import AVERAGES, find_task_folders
+from eva_fastclip.models import create_model
+
+NUM_CLASSES = 6
+CLASSNAMES = [f"class{c}" for c in range(NUM_CLASSES)]
+
+
+def test_the_task_table_is_datacomps():
+    assert len(TASKS) == 38 and len({task.name for task in TASKS}) == 38
+    for members in AVERAGES.values():
+        assert set(members) <= {task.name for task in TASKS}
+    assert AVERAGES["imagenet_and_variants_average"] == (
+        "ImageNet 1k", "ImageNet v2", "ImageNet Sketch", "ImageNet-A", "ImageNet-R", "ObjectNet",
+    )  # fmt: skip
+    main_metrics = {task.key: task.main_metric for task in TASKS}
+    assert main_metrics["vtab/caltech101"] == "mean_per_class_recall"
+    assert main_metrics["wilds/fmow"] == "acc_worst_region"
+    assert main_metrics["fairness/dollar_street"] == "acc_top5_wg"
+    assert sum(metric == "acc1" for metric in main_metrics.values()) == 27
+
+
+def classification_task(rng, n):
+    """Rows whose first 6 components are distinct (no tie between classes), labels often right."""
+    values = np.arange(-3, 3) * 0.5 + 0.25
+    vectors = np.zeros((n, DIM))
+    for row in vectors:
+        row[:NUM_CLASSES] = rng.permutation(values)
+    labels = np.where(
+        rng.random(n) < 0.5, vectors[:, :NUM_CLASSES].argmax(1), rng.integers(0, NUM_CLASSES, n)
+    )
+    return vectors, labels
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    root = tmp_path_factory.mktemp("datasets")
+    sets = {}
+    for folder, n in (("wds_cifar10_test", 13), ("wds_vtab-caltech101", 11), ("wds_imagenet1k_test", 9)):
+        sets[folder] = classification_task(rng, n)
+        write_classification_folder(root / folder, *sets[folder], CLASSNAMES, per_shard=4)
+    for folder, n in (("wds_wilds-fmow_test", 14), ("wds_dollar_street_test", 12)):
+        vectors, labels = classification_task(rng, n)
+        metadata = np.stack([rng.choice([0, 1, 3], n), rng.integers(0, 9, n)], axis=1)  # group 2: none
+        sets[folder] = vectors, labels, metadata
+        write_classification_folder(
+            root / folder, vectors, labels, CLASSNAMES, metadata=metadata, per_shard=5
+        )
+    images = np.clip(np.round(rng.normal(size=(7, DIM)) * 20) / 20, -3, 3)  # within the pixels' range
+    CAPTIONS.clear()
+    captions = []
+    for i in range(7):
+        captions.append([f"image {i} caption {j}" for j in range(1 + i % 3)])
+        for caption in captions[-1]:
+            CAPTIONS[caption] = (
+                images[rng.integers(0, 7) if rng.random() < 0.3 else i] + rng.normal(size=DIM)
+            ).tolist()
+    write_retrieval_folder(root / "wds_flickr30k", images, captions, per_shard=3)
+    sets["wds_flickr30k"] = images, captions
+    (root / "wds_unrelated").mkdir()
+    return root, sets
+
+
+def reference_classification(vectors, labels):
+    """Per sample, in float64: is the label the top class, in the top 5, and the top class itself."""
+    scores = vectors[:, :NUM_CLASSES]  # the fake classifier is the one-hot class directions
+    top = scores.argmax(1)
+    rank = np.array([(scores[i] >= scores[i, labels[i]]).sum() - 1 for i in range(len(labels))])
+    return rank < 1, rank < 5, top
+
+
+def balanced_accuracy(labels, top):
+    return np.mean([np.mean(top[labels == c] == c) for c in np.unique(labels)])
+
+
+def worst(hits, groups):
+    return min(np.mean(hits[groups == g]) for g in np.unique(groups))
+
+
+def recall_at_1(images, captions):
+    texts = [CAPTIONS[c] for per in captions for c in per]
+    owner = [i for i, per in enumerate(captions) for _ in per]
+    unit = lambda m: np.asarray(m) / np.linalg.norm(m, axis=1, keepdims=True)  # noqa: E731
+    sim = unit(images) @ unit(texts).T
+    image_hits = []
+    for i in range(len(images)):
+        own = [sim[i, j] for j in range(len(texts)) if owner[j] == i]
+        others = [sim[i, j] for j in range(len(texts)) if owner[j] != i]
+        image_hits.append(max(own) > max(others))
+    text_hits = [sim[owner[j], j] > np.delete(sim[:, j], owner[j]).max() for j in range(len(texts))]
+    return np.mean(text_hits), np.mean(image_hits)  # image retrieval (text->image), text retrieval
+
+
+def test_every_found_task_scores_its_main_metric_as_datacomp_defines_it(root):
+    root, sets = root
+    found, missing = find_task_folders(root)
+    assert {task.key: folder.name for task, folder in found.items()} == {
+        "cifar10": "wds_cifar10_test",  # DataComp's download_evalsets.py naming
+        "vtab/caltech101": "wds_vtab-caltech101",  # clip_benchmark's hub naming
+        "imagenet1k": "wds_imagenet1k_test",
+        "wilds/fmow": "wds_wilds-fmow_test",
+        "fairness/dollar_street": "wds_dollar_street_test",
+        "retrieval/flickr_1k_test_image_text_retrieval": "wds_flickr30k",
+    }
+    assert len(missing) == 32
+    results = evaluate_datacomp(
+        FakeModel(), tokenize=fake_tokenize, preprocess=vector_preprocess, datasets_root=root, batch_size=4,
+        device="cpu",
+    )  # fmt: skip
+    rows = {row["key"]: row for row in results["tasks"]}
+
+    top1, top5, top = reference_classification(*sets["wds_cifar10_test"])
+    assert rows["cifar10"]["main_metric"] == pytest.approx(top1.mean(), abs=1e-12)
+    assert rows["cifar10"]["metrics"]["acc5"] == pytest.approx(top5.mean(), abs=1e-12)
+    vectors, labels = sets["wds_vtab-caltech101"]
+    _, _, top = reference_classification(vectors, labels)
+    assert rows["vtab/caltech101"]["main_metric"] == pytest.approx(balanced_accuracy(labels, top), abs=1e-12)
+    vectors, labels, metadata = sets["wds_wilds-fmow_test"]
+    top1, _, _ = reference_classification(vectors, labels)
+    assert rows["wilds/fmow"]["main_metric"] == pytest.approx(worst(top1, metadata[:, 0]), abs=1e-12)
+    vectors, labels, metadata = sets["wds_dollar_street_test"]
+    _, top5, _ = reference_classification(vectors, labels)
+    assert rows["fairness/dollar_street"]["main_metric"] == pytest.approx(
+        worst(top5, metadata[:, 0]), abs=1e-12
+    )
+    image_recall, text_recall = recall_at_1(*sets["wds_flickr30k"])
+    flickr = rows["retrieval/flickr_1k_test_image_text_retrieval"]
+    assert flickr["metrics"]["image_retrieval_recall@1"] == pytest.approx(image_recall, abs=1e-12)
+    assert flickr["metrics"]["text_retrieval_recall@1"] == pytest.approx(text_recall, abs=1e-12)
+    assert flickr["main_metric"] == pytest.approx((image_recall + text_recall) / 2, abs=1e-12)
+
+    scores = [row["main_metric"] for row in results["tasks"]]
+    averages = results["averages"]
+    assert averages["datacomp_average"] == {
+        "value": pytest.approx(math.fsum(scores) / 6),
+        "tasks": 6,
+        "of": 38,
+    }
+    assert averages["retrieval_average"] == {"value": flickr["main_metric"], "tasks": 1, "of": 3}
+    imagenet = rows["imagenet1k"]["main_metric"]
+    assert averages["imagenet_and_variants_average"] == {"value": imagenet, "tasks": 1, "of": 6}
+    assert "misc/winogavil" in results["missing"]
+
+
+def test_eval_suite_from_the_command_line(root, tmp_path, capsys):
+    root, _ = root
+    cfg = load_config("configs/toy.json", ["model.name=test-vit-xs"])
+    torch.manual_seed(0)
+    checkpoint = tmp_path / "model.pt"
+    torch.save(create_model(cfg.model).model.state_dict(), checkpoint)
+    common = ["eval", "--config", "configs/toy.json", "--set", "model.name=test-vit-xs"]
+    common += ["--set", "eval.workers=0", "--checkpoint", str(checkpoint)]
+    assert main([*common, "--suite", "datacomp"]) == 2
+    assert "--datasets-root" in capsys.readouterr().err
+    assert main([*common, "--suite", "datacomp", "--datasets-root", str(root)]) == 0
+    printed = capsys.readouterr().out
+    written = json.loads((tmp_path / "model.pt.datacomp.json").read_text())
+    assert written["checkpoint"] == str(checkpoint) and len(written["tasks"]) == 6
+    for name, average in written["averages"].items():
+        assert name in printed and f"{average['value']:.4f}" in printed
+    assert "partial" in printed and "missing (32)" in printed
+
+
+def test_ranks_that_see_different_task_folders_all_stop(root, tmp_path):
+    from test_evaluation import on_ranks
+
+    root, _ = root
+    (tmp_path / "wds_cifar10_test").symlink_to(root / "wds_cifar10_test")
+
+    def work(collectives):
+        return evaluate_datacomp(
+            FakeModel(), tokenize=fake_tokenize, preprocess=vector_preprocess, batch_size=4, device="cpu",
+            datasets_root=root if collectives.rank == 0 else tmp_path, collectives=collectives,
+        )  # fmt: skip
+
+    for result in on_ranks(2, work):
+        assert isinstance(result, ValueError) and "the ranks see different task folders" in str(result)
