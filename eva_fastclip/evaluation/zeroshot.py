@@ -115,18 +115,9 @@ def classify(
             "predicted": [],
             "meta": [],
         }
-        dataset = SampleDataset(evalset.samples, preprocess, evalset.target)
-        loader = share_loader(
-            dataset,
-            batch_size=batch_size,
-            rank=collectives.rank,
-            world_size=collectives.world_size,
-            workers=workers,
-        )
+        batches = _own_batches(evalset, preprocess, batch_size, collectives, workers, progress)
         with _eval_mode(model):
-            for ordinals, images, targets in tqdm(loader, desc=evalset.name, disable=not progress):
-                if images is None:
-                    continue
+            for ordinals, images, targets in batches:
                 labels = torch.tensor([label for label, _ in targets], dtype=torch.int64)
                 bad = labels[(labels < 0) | (labels >= num_classes)]
                 if len(bad):
@@ -187,18 +178,9 @@ def retrieve(
 
     def encode_own_share() -> dict[str, Tensor]:
         parts: dict[str, list[Tensor]] = {"images": [], "ordinals": [], "texts": [], "owners": []}
-        dataset = SampleDataset(evalset.samples, preprocess, evalset.target)
-        loader = share_loader(
-            dataset,
-            batch_size=batch_size,
-            rank=collectives.rank,
-            world_size=collectives.world_size,
-            workers=workers,
-        )
+        batches = _own_batches(evalset, preprocess, batch_size, collectives, workers, progress)
         with _eval_mode(model):
-            for ordinals, images, captions in tqdm(loader, desc=evalset.name, disable=not progress):
-                if images is None:
-                    continue
+            for ordinals, images, captions in batches:
                 texts = [text for per_image in captions for text in per_image]
                 owners = [int(o) for o, per_image in zip(ordinals, captions) for _ in per_image]
                 with _autocast(device, autocast_dtype):
@@ -270,3 +252,18 @@ def _encode_images(model: nn.Module, images: Tensor, device: Device) -> Tensor:
 
 def _encode_texts(model: nn.Module, tokens: Tensor, device: Device) -> Tensor:
     return model.encode_text(tokens.to(device=device, non_blocking=True)).float()
+
+
+def _own_batches(evalset, preprocess, batch_size: int, collectives, workers: int, progress: bool):
+    """This rank's share of ``evalset``: (ordinals, images, targets) batches, the empty ones left out."""
+    dataset = SampleDataset(evalset.samples, preprocess, evalset.target)
+    loader = share_loader(
+        dataset,
+        batch_size=batch_size,
+        rank=collectives.rank,
+        world_size=collectives.world_size,
+        workers=workers,
+    )
+    for ordinals, images, targets in tqdm(loader, desc=evalset.name, disable=not progress):
+        if images is not None:
+            yield ordinals, images, targets
