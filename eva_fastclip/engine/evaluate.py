@@ -18,14 +18,13 @@ from eva_fastclip.evaluation import (
     ClassificationSet,
     Collectives,
     SingleRank,
-    build_zeroshot_classifier,
     classification_metrics,
-    classify,
     read_imagenet_folder,
     read_pair_shards,
     read_wds_folder,
     retrieve,
     run_everywhere,
+    zeroshot_classify,
 )
 from eva_fastclip.models import ModelBundle
 
@@ -63,17 +62,7 @@ def evaluate_model(
             continue
         # read on every rank, and a failure to read raises on every rank (no rank left waiting)
         evalset = run_everywhere(collectives, device, functools.partial(_classification_set, read, folder))
-        classifier = build_zeroshot_classifier(
-            model,
-            bundle.tokenizer,
-            evalset.classnames,
-            evalset.templates,
-            device=device,
-            autocast_dtype=autocast,
-            collectives=collectives,
-            progress=progress,
-        )
-        predictions = classify(model, classifier, evalset, **common)
+        predictions = zeroshot_classify(model, bundle.tokenizer, evalset, **common)
         scores = classification_metrics(
             predictions.labels, predictions.label_ranks, predictions.predicted, predictions.num_classes
         )

@@ -5,7 +5,14 @@ from .collectives import Collectives, EvaluationFailed, SingleRank, run_everywhe
 from .datacomp import TASKS, evaluate_datacomp, format_datacomp
 from .metrics import classification_metrics, label_ranks, retrieval_recall, topk_accuracy
 from .sets import ClassificationSet, RetrievalSet, read_imagenet_folder, read_pair_shards, read_wds_folder
-from .zeroshot import Predictions, build_zeroshot_classifier, classify, fill_template, retrieve
+from .zeroshot import (
+    Predictions,
+    build_zeroshot_classifier,
+    classify,
+    fill_template,
+    retrieve,
+    zeroshot_classify,
+)
 
 __all__ = [
     "TASKS",
@@ -18,6 +25,7 @@ __all__ = [
     "build_zeroshot_classifier",
     "classification_metrics",
     "classify",
+    "zeroshot_classify",
     "evaluate_datacomp",
     "fill_template",
     "format_datacomp",

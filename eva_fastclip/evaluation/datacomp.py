@@ -40,7 +40,7 @@ from torch import nn
 from .collectives import Collectives, SingleRank, run_everywhere
 from .metrics import classification_metrics, macro_f1, worst_group
 from .sets import ClassificationSet, RetrievalSet, read_wds_folder
-from .zeroshot import Preprocess, Tokenize, build_zeroshot_classifier, classify, retrieve
+from .zeroshot import Preprocess, Tokenize, retrieve, zeroshot_classify
 
 log = logging.getLogger(__name__)
 
@@ -198,17 +198,7 @@ def evaluate_datacomp(
                 metrics["image_retrieval_recall@1"] + metrics["text_retrieval_recall@1"]
             )
         else:
-            classifier = build_zeroshot_classifier(
-                model,
-                tokenize,
-                evalset.classnames,
-                evalset.templates,
-                device=device,
-                autocast_dtype=autocast_dtype,
-                collectives=collectives,
-                progress=progress,
-            )
-            predictions = classify(model, classifier, evalset, **common)
+            predictions = zeroshot_classify(model, tokenize, evalset, **common)
             scores = classification_metrics(
                 predictions.labels, predictions.label_ranks, predictions.predicted, predictions.num_classes
             )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -88,6 +89,24 @@ def build_zeroshot_classifier(
 
 
 @torch.no_grad()
+def zeroshot_classify(
+    model: nn.Module,
+    tokenize: Tokenize,
+    evalset: ClassificationSet,
+    *,
+    device: Device,
+    autocast_dtype: torch.dtype | None = None,
+    collectives: Collectives | None = None,
+    progress: bool = False,
+    **loading: Any,
+) -> Predictions:
+    """:func:`classify` ``evalset`` with the classifier built from its own class names and templates;
+    ``loading`` is classify's preprocess, batch_size and workers."""
+    shared = dict(device=device, autocast_dtype=autocast_dtype, collectives=collectives, progress=progress)
+    classifier = build_zeroshot_classifier(model, tokenize, evalset.classnames, evalset.templates, **shared)
+    return classify(model, classifier, evalset, **shared, **loading)
+
+
 def classify(
     model: nn.Module,
     classifier: Tensor,
