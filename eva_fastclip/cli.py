@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--variants",
         nargs="+",
         default=None,
-        help="openclip fastclip_v1 fastclip_v3 fastclip_v3_code sogclr isogclr (default: all)",
+        help="openclip fastclip_v1 fastclip_v3 fastclip_v3_exact sogclr isogclr (default: all)",
     )
     p.add_argument("--jobs", type=int, default=2, help="runs at a time, each on cores/jobs torch threads")
     p.add_argument("--model", default="bench-vit-xs", help="open_clip architecture of every run")
@@ -157,6 +157,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every-epochs", type=int, default=2)
     p.add_argument("--warmup-epochs", type=int, default=1)
     p.set_defaults(func=cmd_bench_convergence)
+
+    p = sub.add_parser(
+        "bench-data",
+        help="training loader throughput: ours against OpenCLIP's webdataset loader on the same real photos",
+    )
+    p.add_argument("--data", default="data/bench_loader", help="benchmark shards (written first if missing)")
+    p.add_argument("--output", default="runs/bench/data", help="data_loader.json and data_loader.md")
+    p.add_argument("--shards", type=int, default=6, help="shards per kind (256px, original)")
+    p.add_argument("--per-shard", type=int, default=1000, help="samples per shard")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--workers", type=int, nargs="+", default=[1], help="DataLoader workers of both loaders")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each loader, alternating; medians")
+    p.add_argument("--warmup", type=int, default=5, help="batches read before the timed window")
+    p.add_argument("--batches", type=int, default=None, help="timed batches (default: the rest of the epoch)")
+    p.add_argument("--kinds", nargs="+", default=["256px", "original"], help="shard kinds to read")
+    p.add_argument(
+        "--model", default="ViT-B-16", help="open_clip model whose transform and tokenizer both use"
+    )
+    p.add_argument("--shuffle-buffer", type=int, default=1000, help="ours (OpenCLIP's is fixed: 5000)")
+    p.add_argument("--quick", action="store_true", help="tiny shards, one run each (a smoke test)")
+    p.set_defaults(func=cmd_bench_data)
 
     p = sub.add_parser(
         "openclipart-data", help="convert Debian's openclipart-png drawings into train/val/zero-shot shards"
@@ -389,6 +410,34 @@ def cmd_bench_convergence(args) -> int:
         command=shlex.join(["eva-fastclip", *sys.argv[1:]]),
     )
     print(json.dumps(result, indent=2), flush=True)
+    return 0
+
+
+def cmd_bench_data(args) -> int:
+    import shlex
+
+    from eva_fastclip.bench.data_loader import format_data_report, run_data_benchmark
+
+    sizes = dict(
+        shards=args.shards, per_shard=args.per_shard, batch_size=args.batch_size, repeats=args.repeats
+    )
+    if args.quick:  # its own shard and output folders: the full-size shards and results stay
+        sizes = dict(shards=2, per_shard=48, batch_size=8, repeats=1)
+    results = run_data_benchmark(
+        data=Path(args.data) / "quick" if args.quick else args.data,
+        output=Path(args.output) / "quick" if args.quick else args.output,
+        workers=args.workers,
+        warmup=2 if args.quick else args.warmup,
+        batches=args.batches,
+        kinds=args.kinds,
+        model=args.model,
+        floor_samples=20 if args.quick else 500,
+        shuffle_buffer=args.shuffle_buffer,
+        command=shlex.join(["eva-fastclip", *sys.argv[1:]]),
+        **sizes,
+    )
+    print(format_data_report(results), flush=True)
+    print(f"full results: {results['output']}/data_loader.json", flush=True)
     return 0
 
 

@@ -263,7 +263,7 @@ def test_results_table_mean_and_sample_std_beside_chance():
     records = [fake_record("fastclip_v3", 64, s, (v, v / 2, v / 3)) for s, v in enumerate(v3)]
     records += [fake_record("openclip", 64, 0, (0.2, 0.1, 0.1))]
     table = results_table(records)
-    row = table_row(table, "64", "FastCLIP-v3 (exact τ-gradient)")
+    row = table_row(table, "64", "FastCLIP-v3")
     assert row[2] == "3"
     assert row[3] == f"{np.mean(v3):.3f} ± {np.std(v3, ddof=1):.3f}"
     assert row[4] == f"{np.mean(v3) / 2:.3f} ± {np.std(v3, ddof=1) / 2:.3f}"
@@ -377,7 +377,7 @@ def test_one_tiny_run_end_to_end(fake, tmp_path):
     assert not (tmp_path / "runs" / spec.name / "checkpoints").exists()
     done, todo = load_results(tmp_path, [spec])  # a restarted benchmark skips it
     assert done == [record] and todo == []
-    assert table_row(results_table(done), "4", "FastCLIP-v3 (exact τ-gradient)")[2] == "1"
+    assert table_row(results_table(done), "4", "FastCLIP-v3")[2] == "1"
 
 
 def test_cli_defaults_are_the_full_benchmark():

@@ -35,36 +35,37 @@ from eva_fastclip.data import openclipart
 
 log = logging.getLogger(__name__)
 
-#: variant name -> (label, config overrides). Each loss keeps its own defaults (config.LOSS_DEFAULTS), but
-#: for the rules whose defaults changed after the stored results (docs/benchmarks.md) were measured: v3's
-#: one-time temperature-lr drop and iSogCLR's own momentum rule are named.
-_V3_DROP_ONCE = {"loss.temperature_lr_drop_rule": "once"}
+#: variant name -> (label, config overrides). Each loss runs with its own defaults (config.LOSS_DEFAULTS:
+#: the values FastCLIP's code runs); FastCLIP-v3 also with RGCL-g's exact τ-gradient, an option.
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "openclip": ("OpenCLIP", {"loss.name": "openclip"}),
     "fastclip_v1": ("FastCLIP-v1", {"loss.name": "fastclip_v1"}),
-    "fastclip_v3": (
+    "fastclip_v3": ("FastCLIP-v3", {"loss.name": "fastclip_v3"}),
+    "fastclip_v3_exact": (
         "FastCLIP-v3 (exact τ-gradient)",
-        {"loss.name": "fastclip_v3", "loss.tau_gradient": "exact", **_V3_DROP_ONCE},
-    ),
-    "fastclip_v3_code": (
-        "FastCLIP-v3 (FastCLIP code's τ-gradient)",
-        {"loss.name": "fastclip_v3", "loss.tau_gradient": "fastclip_code", **_V3_DROP_ONCE},
+        {"loss.name": "fastclip_v3", "loss.tau_gradient": "exact"},
     ),
     "sogclr": ("SogCLR", {"loss.name": "sogclr"}),
-    "isogclr": ("iSogCLR", {"loss.name": "isogclr", "loss.temperature_rule": "individual_momentum"}),
+    "isogclr": ("iSogCLR", {"loss.name": "isogclr"}),
 }
 REFERENCE = "fastclip_v3"
 DEFAULT_MODEL = "bench-vit-xs"
-#: the recipe every run shares (FastCLIP's CC3M recipe: AdamW, lr 1e-3, wd 0.1, cosine to 0)
+#: the recipe every run shares: FastCLIP's CC3M recipe (AdamW, lr 1e-3, wd 0.1, cosine to 0) with its
+#: ViT optimizer defaults, weight-decay rule and no gradient clipping (docs/recipes.md).
 RECIPE: dict[str, Any] = {
-    "train.deepspeed_config": "ds_configs/zero1_adamw.json",
+    "train.deepspeed_config": "ds_configs/fastclip_adamw_vit.json",
     "train.precision": "fp32",  # explicit: the same numerics on every machine (auto picks bf16 on some)
     "optim.lr": 1e-3,
     "optim.weight_decay": 0.1,
+    "optim.weight_decay_rule": "fastclip",
     "optim.min_lr_ratio": 0.0,
     "train.save_every_steps": 0,
     "train.keep_checkpoints": 1,
 }
+#: bumped when RECIPE or VARIANTS change, so results of an older recipe are never mixed with new ones.
+#: 1: 2026-11-23 (zero1_adamw.json, clipping 1.0, v3 exact τ-gradient, one-time τ-lr drop, iSogCLR's
+#: momentum rule); 2: 2026-11-25 (the corrected defaults above).
+RECIPE_VERSION = 2
 #: what the curves and tables show: key of the evaluation results (TensorBoard: eval/<key>) -> title
 METRICS: dict[str, str] = {
     "zeroshot_top1": "zero-shot top-1",
@@ -91,6 +92,7 @@ class RunSpec:
     warmup_epochs: int
     num_train: int
     image_size: int
+    recipe_version: int = RECIPE_VERSION
 
     @property
     def name(self) -> str:
@@ -333,8 +335,14 @@ def load_results(out_dir: Path, specs: list[RunSpec]) -> tuple[list[dict[str, An
             todo.append(spec)
             continue
         record = json.loads(path.read_text())
-        if record["spec"] != asdict(spec):
-            changed = {k: (v, asdict(spec)[k]) for k, v in record["spec"].items() if asdict(spec).get(k) != v}
+        wanted = asdict(spec)
+        if record["spec"] != wanted:
+            keys = sorted(record["spec"].keys() | wanted.keys())
+            changed = {
+                k: (record["spec"].get(k), wanted.get(k))
+                for k in keys
+                if record["spec"].get(k) != wanted.get(k)
+            }
             raise ValueError(
                 f"{path} was made with other settings {changed} (saved, requested): use another --output, "
                 "or delete the results folder to start again"
