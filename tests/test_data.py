@@ -596,8 +596,9 @@ def test_data_config_keys():
         load_config(None, ["data.index_key="])
 
 
-def test_dry_run_says_where_the_sizes_come_from(toy_dir, capsys):
+def test_dry_run_says_where_the_sizes_come_from(toy_dir, tmp_path, capsys):
     argv = ["train", "--config", "configs/toy.json", "--set", f'data.train_shards=["{toy_dir / "train"}"]']
+    argv += ["--set", f"train.output_dir={tmp_path / 'run'}"]  # not the demo's folder, which may hold a run
     # the dry-run checks every path and that a batch fits an epoch: the toy config's eval data, batch 8
     argv += ["--set", f"eval.zeroshot_dir={toy_dir / 'zeroshot'}", "--set", "train.batch_size=8"]
     argv += ["--set", f'eval.retrieval_shards=["{toy_dir / "val"}"]']
