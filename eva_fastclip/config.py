@@ -92,6 +92,9 @@ class DataConfig:
     index_key: str = "key"
     """Field of each sample's .json holding its stable dataset index: an integer or a string of digits
     (img2dataset's "key", e.g. "000010005"; make-shards writes it too)."""
+    image_decode: str = "workers"
+    """Where training JPEGs are decoded: "workers" (the loader workers, on the CPU) or "gpu" (nvjpeg on the
+    rank's GPU, cropped and resized there; the workers only read headers and draw the crops)."""
 
     def __post_init__(self) -> None:
         if not self.train_shards:
@@ -114,6 +117,8 @@ class DataConfig:
             _positive("data.index_size", self.index_size)
         if not self.index_key:
             raise ConfigError('data.index_key is empty: name the .json field of the index, e.g. "key"')
+        if self.image_decode not in IMAGE_DECODE:
+            raise ConfigError(f"data.image_decode must be one of {IMAGE_DECODE}, got {self.image_decode!r}")
 
 
 #: Each loss's defaults: the values of FastCLIP's published runs (its README and code; docs/recipes.md);
@@ -170,6 +175,8 @@ TAU_GRADIENTS = ("exact", "fastclip_code")
 #: good from the first time it is (SPEC)
 TEMPERATURE_LR_DROP_RULES = ("every_step", "once")
 #: optim.weight_decay_rule: which parameter tensors get weight decay (models/param_groups.py)
+#: data.image_decode: where training JPEGs are decoded (data/image_transform.py)
+IMAGE_DECODE = ("workers", "gpu")
 WEIGHT_DECAY_RULES = ("no_embeddings", "fastclip", "eva_clip")
 #: optim.lamb_trust_ratio: per model tensor (ours), or per flat ZeRO partition (DeepSpeed's FusedLamb).
 LAMB_TRUST_RATIOS = ("per_tensor", "per_zero_partition")

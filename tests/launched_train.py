@@ -35,7 +35,8 @@ def poison(spec: str) -> None:
 
     def train_step(self, images, tokens, indices):
         if self.rank == int(rank) and self.step + 1 in steps:
-            images = images.clone()
+            # the model's input (uint8 from the loader is normalised on the device), with a NaN image
+            images = self.loader.to_device(images, self.device, self.input_dtype).clone()
             images[0] = float("nan")
         return real(self, images, tokens, indices)
 

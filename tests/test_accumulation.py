@@ -85,6 +85,28 @@ def stepped(tmp_path_factory):
     return out
 
 
+def test_the_logged_loss_is_the_mean_over_the_steps_micro_batches(tmp_path):
+    trainer = make_trainer(tmp_path, 1)
+    loss, losses = trainer.loss, []
+
+    class Recording:  # the loss, noting each micro-batch's value
+        def __getattr__(self, name):
+            return getattr(loss, name)
+
+        def __call__(self, *args):
+            out = loss(*args)
+            losses.append(out.loss.item())
+            return out
+
+    trainer.loss = Recording()
+    first, second = trainer.loader.batches
+    assert trainer.train_step(*first) is None
+    metrics = trainer.train_step(*second)
+    trainer.loss = loss
+    assert len(losses) == 2 and abs(losses[0] - losses[1]) > 1e-3  # the last one alone would differ
+    assert metrics["loss"] == pytest.approx((losses[0] + losses[1]) / 2, rel=1e-6)
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_state_of_all_micro_batches_is_committed_at_the_step(stepped, stage):
     run = stepped[stage]

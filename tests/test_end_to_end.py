@@ -43,6 +43,8 @@ def launch(args: list[str], tmp: Path, name: str) -> str:
     log = result.stdout + result.stderr
     (tmp / f"{name}.log").write_text(log)
     assert result.returncode == 0, f"launch failed ({name}):\n{log[-6000:]}"
+    # DeepSpeed's CPU all-reduce buffers (67 MB a rank) leave no name behind in /dev/shm
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_29533_*"))
     return log
 
 

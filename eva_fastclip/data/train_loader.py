@@ -32,13 +32,13 @@ import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-import PIL.Image
 import torch
 import webdataset as wds
 from torch import Tensor
 from torch.utils.data import DataLoader
 
 from .epoch_plan import EpochPlan, EpochRest, Segment, Tiling
+from .image_transform import TrainImageTransform, decode_on_device, normalize
 from .sizes import DataSizes, resolve_sizes
 from .tar_reader import (
     IMAGE_KEYS,
@@ -66,7 +66,14 @@ def _worker_info() -> tuple[int, int]:
 
 
 class TrainLoader:
-    """Training batches ``(images [b,3,H,W] float, tokens [b,ctx] long, indices [b] int64)`` from shards.
+    """Training batches ``(images, tokens [b,ctx] long, indices [b] int64)`` from shards; :meth:`to_device`
+    makes the images what the model takes, on its device.
+
+    With open_clip's training transform (:class:`.TrainImageTransform` recognises it) the workers decode,
+    crop and resize, and hand uint8 images ``[b,3,H,W]`` to the trainer, which normalises them on its
+    device: a quarter of float32's bytes through shared memory and pinned memory. With ``decode_device``
+    they only read each JPEG's header and draw its crop, and the batch is a list that :meth:`to_device`
+    decodes there (nvjpeg on a GPU). Any other ``preprocess`` runs in the workers as given, float out.
 
     Every rank yields exactly ``num_batches`` full batches per epoch. ``indices`` are the samples' stable
     dataset indices, read from ``.json[index_key]`` (an integer or a string of digits). Call
@@ -99,6 +106,8 @@ class TrainLoader:
         workers: int = 2,
         index_key: str = "key",
         sizes: DataSizes | None = None,
+        decode_device: torch.device | str | None = None,
+        pin_memory: bool = False,
     ) -> None:
         if isinstance(sources, str):
             sources = [sources]
@@ -114,6 +123,14 @@ class TrainLoader:
                 f"workers={workers}, shuffle_buffer={shuffle_buffer}"
             )
         self.preprocess = preprocess
+        self.image_transform = TrainImageTransform.from_preprocess(preprocess)
+        if decode_device is not None and self.image_transform is None:
+            raise ValueError(
+                "data.image_decode=gpu needs open_clip's training transform (RandomResizedCrop, RGB, "
+                f"ToTensor, Normalize); this model's is {preprocess!r}: set data.image_decode=workers"
+            )
+        self.decode_device = None if decode_device is None else torch.device(decode_device)
+        self.pin_memory = pin_memory
         self.tokenize = tokenize
         self.batch_size = batch_size
         self.rank = rank
@@ -312,6 +329,7 @@ class TrainLoader:
             batch_size=None,
             num_workers=self.workers,
             persistent_workers=False,
+            pin_memory=self.pin_memory,  # page-locked batches: the copy to the GPU runs asynchronously
             # a generator of its own for the workers' base seed (which nothing uses): starting a loader
             # must not draw from the global one, which masks patches in the training step
             generator=torch.Generator().manual_seed(self.seed),
@@ -459,15 +477,15 @@ class TrainLoader:
         if not caption:
             raise BadSample("empty_caption", url, f"{where}: its caption is empty")
         index = self._index(sample, url, where)
+        # where the stream stood, with its skips up to this sample: those a resumed stream counts from
+        position = (*sample["__pos__"], tuple(self._failures.counts))
         try:
-            image = decode_image(sample[image_key])
-        except Exception as exn:  # PIL raises many kinds: OSError, SyntaxError, DecompressionBombError...
+            image = self._image(sample[image_key], position)
+        except Exception as exn:  # decoders raise many kinds: OSError, RuntimeError, DecompressionBombError
             message = f"{where}: .{image_key} does not decode ({exn!r})"
             raise BadSample("undecodable_image", url, message) from None
         self._failures.note_success()
-        # where the stream stood, with its skips up to this sample: those a resumed stream counts from
-        position = (*sample["__pos__"], tuple(self._failures.counts))
-        return self._preprocess(image, position), caption, index, position
+        return image, caption, index, position
 
     def _index(self, sample: dict[str, Any], url: str, where: str) -> int:
         """The sample's index from ``.json[index_key]``; -1 where it has none and the loss needs none."""
@@ -500,15 +518,36 @@ class TrainLoader:
             return True
         raise exn
 
-    def _preprocess(self, image: PIL.Image.Image, position: tuple) -> Tensor:
-        """The training transform (a random crop) with torch's generator seeded by the sample's place in the
-        stream, so that a resumed epoch crops every sample as the uninterrupted one would have; the
-        process's own generator is left as it was (with no workers it is the training step's)."""
+    def _image(self, data: bytes, position: tuple) -> Tensor | Any:
+        """The training transform (a random crop) of a sample's encoded image, its draws seeded by the
+        sample's place in the stream, so that a resumed epoch crops every sample as the uninterrupted one
+        would have; the process's own generators are left as they were (with no workers they are the
+        training step's)."""
         worker, stream, taken = position[:3]
         place = f"{self.seed}:{self.epoch}:{self._offset}:{self.rank}:{worker}:{stream.pass_number}:{taken}"
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(zlib.crc32(place.encode()))
-            return self.preprocess(image)
+        seed = zlib.crc32(place.encode())
+        if self.image_transform is None:  # any transform: it draws from torch's CPU generator
+            image = decode_image(data)
+            with torch.random.fork_rng(devices=[]):
+                # not torch.manual_seed: in a worker it also records a stack trace for the lazy CUDA
+                # seeding, about 1 ms per sample (docs/benchmarks.md, data loading)
+                torch.default_generator.manual_seed(seed)
+                return self.preprocess(image)
+        generator = torch.Generator().manual_seed(seed)
+        if self.decode_device is not None:
+            return self.image_transform.device_plan(data, generator)
+        return self.image_transform(data, generator)
+
+    def to_device(self, images: Tensor | list, device: torch.device, dtype: torch.dtype) -> Tensor:
+        """A batch's images as the model takes them, on ``device``: decoded there (``decode_device``),
+        normalised there (uint8 from the workers), or moved (float from a transform of the user's)."""
+        if isinstance(images, list):
+            images = decode_on_device(images, self.image_transform, device)
+        elif images.dtype != torch.uint8:
+            return images.to(device, dtype=dtype, non_blocking=True)
+        else:
+            images = images.to(device, non_blocking=True)
+        return normalize(images, self.image_transform.mean, self.image_transform.std, dtype)
 
     def _collate(self, examples: list[tuple]) -> tuple[Tensor, Tensor, Tensor, tuple]:
         """The batch, and its worker, that worker's _Stream state right after the batch's last sample was
@@ -518,7 +557,7 @@ class TrainLoader:
         worker, stream, taken, finished, read, skips = positions[-1]
         state = (stream.pass_number, taken, tuple(stream.counts[:finished]), read)
         return (
-            torch.stack(images),
+            list(images) if self.decode_device is not None else torch.stack(images),
             self.tokenize(list(captions)),
             torch.tensor(indices, dtype=torch.int64),
             (worker, state, skips),

@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from eva_fastclip.config import ConfigError, ExperimentConfig, batch_layout
 from eva_fastclip.data import DataSizes, expand_urls, resolve_sizes
 from eva_fastclip.data.eval_loaders import read_classification_folder
@@ -112,6 +114,7 @@ def check_run(
     report = Report()
     problems = report.problems
     problems += check_model(cfg)
+    problems += check_image_decode(cfg)
     problems += check_eval(cfg)
     problems += check_output_dir(cfg.train.output_dir)
     if resume is not None:
@@ -236,6 +239,19 @@ def check_train_shards(cfg: ExperimentConfig) -> tuple[list[str] | None, list[Pr
         problems += _unreadable(key, found)
         urls += found
     return (None if problems else urls), problems
+
+
+def check_image_decode(cfg: ExperimentConfig) -> list[Problem]:
+    """data.image_decode=gpu decodes with nvjpeg: it needs a CUDA GPU on every rank."""
+    if cfg.data.image_decode != "gpu" or torch.cuda.is_available():
+        return []
+    return [
+        Problem(
+            "data.image_decode",
+            "data.image_decode=gpu decodes the training JPEGs with nvjpeg on a CUDA GPU, and this machine "
+            "has none (torch.cuda.is_available() is False): set data.image_decode=workers",
+        )
+    ]
 
 
 def check_eval(cfg: ExperimentConfig) -> list[Problem]:

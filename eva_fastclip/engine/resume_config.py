@@ -65,6 +65,7 @@ RULES: dict[str, Rule] = {
     "data.shuffle_buffer": Rule(CHANGE),
     "data.workers": Rule(CHANGE),
     "data.index_key": Rule(CHANGE),
+    "data.image_decode": Rule(CHANGE),  # the same crops either way: only where the decode runs changes
     "loss.name": Rule(FIXED, "the loss decides the per-sample state and the temperature's optimizer group"),
     "loss.temperature_rule": Rule(
         FIXED, "the rule decides the temperature's optimizer group and the per-sample state"

@@ -22,7 +22,6 @@ import math
 import os
 import random
 import socket
-import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ import torch.distributed as dist
 from eva_fastclip.config import ConfigError, ExperimentConfig, batch_layout, gamma_decay_epochs_for
 from eva_fastclip.data import TrainLoader
 from eva_fastclip.engine import checkpoint, preflight, resume_config
+from eva_fastclip.engine.data_wait import DataWait, cores_per_rank, slowest_rank
 from eva_fastclip.engine.evaluate import evaluate_model, format_results
 from eva_fastclip.engine.precision import (
     common_hardware,
@@ -68,6 +68,7 @@ class Trainer:
     _skips_reported = 0  # skipped samples already reported on the console by this process
     bad_steps = 0  # optimizer steps in a row, up to the current one, that were skipped or not finite
     _finite_in_step: torch.Tensor | None = None  # whether every micro-batch of this step had a finite loss
+    _losses_in_step: list[torch.Tensor] = []  # the losses of this step's micro-batches so far
 
     def __init__(
         self, cfg: ExperimentConfig, ds_config: dict[str, Any], resume: str | None = None, loader=None
@@ -123,6 +124,8 @@ class Trainer:
             workers=cfg.data.workers,
             index_key=cfg.data.index_key,
             sizes=sizes,
+            decode_device=self.device if cfg.data.image_decode == "gpu" else None,
+            pin_memory=self.device.type == "cuda",
         )
         schedule = preflight.check_schedule(cfg, self.loader.num_batches, world_size=self.world_size)
         preflight.raise_for_errors(schedule, log_warnings=self.is_main)
@@ -210,25 +213,29 @@ class Trainer:
     def train(self) -> dict[str, float]:
         cfg = self.cfg.train
         progress = self._progress_bar()
-        window_start, window_steps = time.perf_counter(), 0
+        data_wait = DataWait(
+            self.cfg.data.workers, self.layout.per_rank, self.world_size, cores=cores_per_rank()
+        )
+        shown: dict[str, str] = {}  # the progress bar's last data wait fraction
         while self.step < self.total_steps:
-            for images, tokens, indices in self._epoch_batches():
+            for images, tokens, indices in data_wait.batches(self._epoch_batches):
                 self._maybe_unmask()
                 metrics = self.train_step(images, tokens, indices)
                 if metrics is None:  # accumulating: no optimizer step yet
                     continue
+                data_wait.step_ended()  # after train_step read the loss: the device finished the step
                 self.step += 1
                 self._count_bad_steps(metrics)  # raises NonFiniteSteps after train.max_skipped_steps
-                window_steps += 1
                 progress.update(1)
-                progress.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
+                progress.set_postfix(loss=f"{metrics['loss']:.3f}", **shown, refresh=False)
                 self._log_step(metrics)
                 if self.step % cfg.log_every_steps == 0 or self.step == self.total_steps:
-                    elapsed = time.perf_counter() - window_start
-                    metrics["samples_per_second"] = window_steps * self.layout.global_batch / elapsed
                     metrics.update(self._skipped_samples())  # a collective: every rank logs at this step
+                    perf = self._data_wait_window(data_wait)  # a collective too
+                    if "perf/data_wait_fraction" in perf:
+                        shown = {"data": f"{perf['perf/data_wait_fraction']:.0%}"}
                     self._log(metrics)
-                    window_start, window_steps = time.perf_counter(), 0
+                    self._log(perf, prefix="")
                 if self.cfg.eval.every_steps and self.step % self.cfg.eval.every_steps == 0:
                     self.evaluate()
                 if cfg.save_every_steps and self.step % cfg.save_every_steps == 0:
@@ -247,7 +254,10 @@ class Trainer:
         engine = self.engine
         if self._running_stats_before is None:  # the step's first micro-batch
             self._running_stats_before = [b.clone() for b in self._running_stats]
-        images = images.to(self.device, dtype=self.input_dtype, non_blocking=True)
+        if hasattr(self.loader, "to_device"):  # decoded or normalised on the device (TrainLoader)
+            images = self.loader.to_device(images, self.device, self.input_dtype)
+        else:
+            images = images.to(self.device, dtype=self.input_dtype, non_blocking=True)
         tokens = tokens.to(self.device, non_blocking=True)
         image_features, text_features, logit_scale = engine(images, tokens)[:3]
         # the loss runs in fp32 whatever the module's precision: logits of a large batch need the range
@@ -257,12 +267,15 @@ class Trainer:
         engine.backward(out.loss)
         finite = torch.isfinite(out.loss.detach())  # no sync here: read once per optimizer step
         self._finite_in_step = finite if self._finite_in_step is None else self._finite_in_step & finite
+        self._losses_in_step = [*self._losses_in_step, out.loss.detach()]
         boundary = engine.is_gradient_accumulation_boundary()
         engine.step()
         self.micro_in_epoch += 1
         if not boundary:
             return None
         loss_finite, self._finite_in_step = bool(self._finite_in_step), None
+        # the step's loss: the mean over its micro-batches (each one's share of the global batch is equal)
+        step_loss, self._losses_in_step = torch.stack(self._losses_in_step).mean().item(), []
         # DeepSpeed's global_steps advances even on a skipped step: ask whether it was really applied
         if engine.was_step_applied():
             self.loss.on_step_applied()
@@ -271,7 +284,7 @@ class Trainer:
             self.loss.on_step_skipped()
         return {
             **out.metrics,
-            "loss": out.loss.item(),
+            "loss": step_loss,
             "step_applied": float(engine.was_step_applied()),
             "loss_finite": float(loss_finite),
         }
@@ -676,6 +689,15 @@ class Trainer:
             self._skips_reported = total
         return {"data/skipped": total, **{f"data/skipped/{reason}": n for reason, n in counts.items()}}
 
+    def _data_wait_window(self, data_wait: DataWait) -> dict[str, float]:
+        """The logging window's perf/* metrics with the slowest rank's data wait (MAX over ranks: it holds
+        the others back); rank 0 warns when the loader held the steps back. Every rank calls it."""
+        window = slowest_rank(data_wait.end_window(), self.device)
+        warning = data_wait.warning(window, self.step)
+        if warning and self.is_main:
+            log.warning(warning)
+        return data_wait.metrics(window)
+
     def _log(self, metrics: dict[str, float], prefix: str = "train/") -> None:
         if not self.is_main:
             return
@@ -777,7 +799,29 @@ def init_process_group() -> tuple[int, int, torch.device]:
     device = torch.device(
         accelerator.device_name(local_rank) if accelerator.device_name() != "cpu" else "cpu"
     )
+    if accelerator.device_name() == "cpu":
+        unlink_shm_allreduce_buffer()
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def unlink_shm_allreduce_buffer() -> bool:
+    """Remove this rank's name of DeepSpeed's CPU all-reduce buffer from /dev/shm; returns whether it did.
+
+    DeepSpeed's shm comm op (CPU accelerator, all ranks on one host) creates a 67 MB
+    ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`` per rank and never removes it: every
+    launch leaked them until /dev/shm filled up. Once every rank has mapped every buffer (the barrier),
+    the names can go: the mappings stay valid until the processes exit, and then the memory is freed,
+    however a process ends."""
+    name = (
+        f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
+        f"{os.environ.get('MASTER_PORT')}_{dist.get_rank()}"
+    )
+    dist.barrier()  # every rank opens every other rank's buffer by name during initialisation
+    try:
+        os.unlink(name)
+    except FileNotFoundError:  # ranks on several hosts: DeepSpeed uses no shared buffer
+        return False
+    return True
 
 
 def keep_freed_host_memory() -> bool:
