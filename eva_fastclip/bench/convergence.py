@@ -61,6 +61,9 @@ RECIPE: dict[str, Any] = {
     "optim.min_lr_ratio": 0.0,
     "train.save_every_steps": 0,
     "train.keep_checkpoints": 1,
+    # the held-out drawings decode in the run's process: loader workers would be spawned (the runs are)
+    # at every evaluation, costing more CPU than the training steps; the results are the same
+    "eval.workers": 0,
 }
 #: bumped when RECIPE or VARIANTS change, so results of an older recipe are never mixed with new ones.
 #: 1: 2026-11-23 (zero1_adamw.json, clipping 1.0, v3 exact τ-gradient, one-time τ-lr drop, iSogCLR's

@@ -102,6 +102,9 @@ class TrainImageTransform:
     def __post_init__(self) -> None:
         if self.interpolation not in _PIL_FILTERS:
             raise ValueError(f"interpolation {self.interpolation} is not bicubic or bilinear")
+        # torchvision's float32 log of the aspect range, once (per call it cost ~10% of a 256-px sample)
+        log_ratio = tuple(float(r) for r in torch.log(torch.tensor(self.ratio)))
+        object.__setattr__(self, "_log_ratio", log_ratio)
 
     @classmethod
     def from_preprocess(cls, preprocess) -> TrainImageTransform | None:
@@ -123,7 +126,7 @@ class TrainImageTransform:
         """(top, left, height, width): ``RandomResizedCrop.get_params``'s algorithm, every draw from
         ``generator`` (same seed, same draws, same box as under ``torch.manual_seed``)."""
         area = height * width
-        log_ratio = torch.log(torch.tensor(self.ratio))
+        log_ratio = self._log_ratio
         for _ in range(10):
             target_area = (
                 area * torch.empty(1).uniform_(self.scale[0], self.scale[1], generator=generator).item()
