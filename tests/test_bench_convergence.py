@@ -26,8 +26,9 @@ from eva_fastclip.bench.convergence import (
     verdict,
 )
 from eva_fastclip.cli import build_parser
-from eva_fastclip.data import build_classification_loader, build_retrieval_loader, read_manifest
+from eva_fastclip.data import read_manifest
 from eva_fastclip.data.openclipart import clean_words, make_caption, render, write_openclipart_dataset
+from eva_fastclip.evaluation.sets import read_pair_shards, read_wds_folder
 
 # category -> drawings; "plants" is too small to be a class, "unsorted" never is one
 FAKE = {
@@ -165,18 +166,14 @@ def test_missing_package_names_the_install_command(tmp_path):
         write_openclipart_dataset(tmp_path / "out", root=tmp_path / "nothing")
 
 
-def test_evaluation_loaders_read_the_converted_folders(fake):
-    to_tensor = lambda image: torch.from_numpy(np.asarray(image.convert("RGB"), dtype=np.float32))  # noqa: E731
-    loader, classnames, templates = build_classification_loader(
-        fake["out"] / "zeroshot", preprocess=to_tensor, batch_size=4
-    )
-    assert classnames == fake["summary"]["classnames"] and templates == ["{c}"]
-    assert sum(len(labels) for _, labels in loader) == fake["summary"]["num_zeroshot"]
-    tokenize = lambda texts: torch.zeros(len(texts), 4, dtype=torch.long)  # noqa: E731
-    pairs = build_retrieval_loader(
-        [str(fake["out"] / "val")], preprocess=to_tensor, tokenize=tokenize, batch_size=4
-    )
-    assert sum(len(images) for images, _ in pairs) == NUM_VAL
+def test_evaluation_reads_the_converted_folders(fake):
+    """The runs' evaluation (eval.zeroshot_dir, eval.retrieval_shards) reads every converted sample."""
+    zeroshot = read_wds_folder(fake["out"] / "zeroshot")
+    assert zeroshot.classnames == fake["summary"]["classnames"] and zeroshot.templates == ["{c}"]
+    assert len(zeroshot.samples) == fake["summary"]["num_zeroshot"]
+    labels = [zeroshot.target(sample.read(), sample)[0] for sample in zeroshot.samples]
+    assert set(labels) <= set(range(len(zeroshot.classnames)))
+    assert len(read_pair_shards([str(fake["out"] / "val")]).samples) == NUM_VAL
 
 
 def test_memory_loader_gives_every_sample_once_per_epoch(fake):

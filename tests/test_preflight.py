@@ -10,13 +10,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the hub
 
 import open_clip  # noqa: E402
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from eva_fastclip.cli import main  # noqa: E402
 from eva_fastclip.config import load_config  # noqa: E402
-from eva_fastclip.data import build_classification_loader, write_toy_dataset  # noqa: E402
+from eva_fastclip.data import write_toy_dataset  # noqa: E402
 from eva_fastclip.engine import preflight  # noqa: E402
 from eva_fastclip.engine.setup import load_deepspeed_config  # noqa: E402
+from eva_fastclip.evaluation.sets import read_wds_folder  # noqa: E402
 from eva_fastclip.evaluation.zeroshot import fill_template  # noqa: E402
 
 NUM_TRAIN = 64
@@ -121,15 +121,14 @@ def test_templates_with_either_placeholder(toy, tmp_path):
     path = zeroshot / "zeroshot_classification_templates.txt"
     path.write_text("a photo of a {c}.\na drawing of a {}.\n")
     assert check(toy, tmp_path, f"eval.zeroshot_dir={zeroshot}").problems == []
-    loader, classnames, templates = build_classification_loader(
-        zeroshot, preprocess=lambda image: torch.zeros(3, 4, 4), batch_size=8
-    )
+    zeroshot_set = read_wds_folder(zeroshot)
+    classnames, templates = zeroshot_set.classnames, zeroshot_set.templates
     assert templates == ["a photo of a {c}.", "a drawing of a {}."]
     assert [fill_template(t, classnames[0]) for t in templates] == [
         f"a photo of a {classnames[0]}.",
         f"a drawing of a {classnames[0]}.",
     ]
-    assert sum(len(labels) for _, labels in loader) == 20
+    assert len(zeroshot_set.samples) == 20
 
 
 def test_lengths_that_leave_a_run_without_meaning(toy, tmp_path):

@@ -27,6 +27,7 @@ Layout, as the toy data's (:mod:`eva_fastclip.data.toy`)::
     train/shard-*.tar + manifest.json    indices 0 .. n_train-1
     val/shard-*.tar + manifest.json      indices n_train .. n_train+n_val-1
     zeroshot/test/0.tar                  {key}.png + {key}.cls (+ {key}.json: source file, caption)
+    zeroshot/test/nshards.txt            clip_benchmark's webdataset layout
     zeroshot/classnames.txt, zeroshot/zeroshot_classification_templates.txt
     dataset.json                         counts, classes, settings, package version (written last)
 
@@ -283,6 +284,7 @@ def write_openclipart_dataset(
             for i, (drawing, label) in enumerate(split.zeroshot)
         ),
     )
+    (zeroshot_dir / "test" / "nshards.txt").write_text("1\n")  # clip_benchmark refuses a folder without it
     (zeroshot_dir / "classnames.txt").write_text("\n".join(split.classnames) + "\n")
     (zeroshot_dir / "zeroshot_classification_templates.txt").write_text("\n".join(TEMPLATES) + "\n")
     summary = {

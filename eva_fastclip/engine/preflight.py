@@ -30,8 +30,8 @@ import torch
 
 from eva_fastclip.config import ConfigError, ExperimentConfig, batch_layout
 from eva_fastclip.data import DataSizes, expand_urls, resolve_sizes
-from eva_fastclip.data.eval_loaders import read_classification_folder
 from eva_fastclip.data.sizes import is_remote
+from eva_fastclip.evaluation.sets import read_classification_folder
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ against; nothing here downloads.
 
 from __future__ import annotations
 
+import glob
 import io
 import logging
 import os
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eva_fastclip.data import expand_urls, read_classification_folder
+from eva_fastclip.data import expand_urls
 
 from .samples import IMAGE_EXTENSIONS, StoredSample, index_tar_shards
 
@@ -32,6 +33,8 @@ log = logging.getLogger(__name__)
 
 _CLASSIFICATION_PARTS = {*IMAGE_EXTENSIONS, "cls", "npy"}
 _RETRIEVAL_PARTS = {*IMAGE_EXTENSIONS, "txt"}
+#: how a zero-shot prompt template marks the class name: clip_benchmark's "{c}", or "{}"
+TEMPLATE_PLACEHOLDERS = ("{c}", "{}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +66,43 @@ class RetrievalSet:
     def target(self, parts: dict[str, bytes], sample: StoredSample) -> list[str]:
         text = parts["txt"].decode("utf-8")
         return text.splitlines() if self.every_line else [text.strip().split("\n", 1)[0].strip()]
+
+
+def _read_lines(path: Path) -> list[str]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found (clip_benchmark layout expected)")
+    lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    return [line for line in lines if line]
+
+
+def read_classification_folder(dataset_dir: str | os.PathLike) -> tuple[list[str], list[str], list[str]]:
+    """The shards, class names and prompt templates of a clip_benchmark-layout classification folder.
+
+    Reads the names of ``dataset_dir/test/*.tar``, ``classnames.txt`` (one class per line) and
+    ``zeroshot_classification_templates.txt`` (one template per line). A template marks the class name
+    with "{c}", as clip_benchmark's files do, or "{}" (clip_benchmark's builder rewrites such prompts to
+    "{c}"; ``evaluation.fill_template`` fills either). FileNotFoundError or ValueError naming the file.
+    """
+    root = Path(dataset_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"{root}: no such folder (clip_benchmark layout expected: test/*.tar, classnames.txt, "
+            "zeroshot_classification_templates.txt)"
+        )
+    shards = sorted(glob.glob(os.path.join(glob.escape(str(root / "test")), "*.tar")))
+    if not shards:
+        raise FileNotFoundError(f"{root / 'test'}: no *.tar shards (clip_benchmark layout expected)")
+    classnames = _read_lines(root / "classnames.txt")
+    if not classnames:
+        raise ValueError(f"{root / 'classnames.txt'} names no class")
+    templates = _read_lines(root / "zeroshot_classification_templates.txt")
+    bad = [template for template in templates if not any(p in template for p in TEMPLATE_PLACEHOLDERS)]
+    if bad or not templates:
+        raise ValueError(
+            f"{root / 'zeroshot_classification_templates.txt'}: every line needs a {{c}} or {{}} placeholder "
+            "for the class name" + (f" ({bad[0]!r} has none)" if bad else " (the file has no line)")
+        )
+    return shards, classnames, templates
 
 
 def read_wds_folder(root: str | os.PathLike, name: str | None = None) -> ClassificationSet | RetrievalSet:
