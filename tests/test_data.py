@@ -1,6 +1,5 @@
 """Data layer: toy dataset, make-shards, and the webdataset loaders on real tar shards."""
 
-import collections
 import io
 import json
 import logging
@@ -22,8 +21,6 @@ from eva_fastclip.data import (
     TOY_CLASSNAMES,
     DataSizes,
     TrainLoader,
-    build_classification_loader,
-    build_retrieval_loader,
     expand_urls,
     read_manifest,
     resolve_sizes,
@@ -623,36 +620,3 @@ def test_dry_run_says_where_the_sizes_come_from(toy_dir, tmp_path, capsys):
     missing = ["--set", f'data.train_shards=["{toy_dir / "nowhere"}"]', "--dry-run"]
     assert main([*argv, *missing]) == 2  # printed, and an error
     assert "shards do not exist" in json.loads(capsys.readouterr().out)["data"]["not_checked"]
-
-
-# --- evaluation loaders ---------------------------------------------------------------------------------
-
-
-def test_retrieval_loader_yields_every_pair_once_in_order(toy_dir, tokenize):
-    loader = build_retrieval_loader(
-        str(toy_dir / "val"), preprocess=PREPROCESS, tokenize=tokenize, batch_size=5
-    )
-    batches = list(loader)
-    assert [images.shape[0] for images, _ in batches] == [5, 5, 2]
-    captions = {}
-    for name, data in tar_members(toy_dir / "val" / "shard-000000.tar").items():
-        if name.endswith(".json"):
-            meta = json.loads(data)
-            captions[meta["index"]] = meta["caption"]
-    expected = tokenize([captions[index] for index in sorted(captions)])
-    assert torch.equal(torch.cat([tokens for _, tokens in batches]), expected)
-
-
-@pytest.mark.parametrize("workers", [0, 2])
-def test_classification_loader(toy_dir, workers):
-    loader, classnames, templates = build_classification_loader(
-        toy_dir / "zeroshot", preprocess=PREPROCESS, batch_size=16, workers=workers
-    )
-    assert classnames == TOY_CLASSNAMES and templates[0] == "a photo of a {c}."
-    labels = []
-    for images, batch_labels in loader:
-        assert images.shape[1:] == (3, 8, 8) and batch_labels.dtype == torch.int64
-        labels += batch_labels.tolist()
-    assert collections.Counter(labels) == {label: 2 for label in range(20)}
-    if workers == 0:
-        assert labels == [i % 20 for i in range(40)]
