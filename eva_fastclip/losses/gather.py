@@ -7,6 +7,7 @@ the traffic formula in docs/losses.md is testable.
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 
 import torch
@@ -58,7 +59,11 @@ class Gatherer:
         if self.world_size == 1:
             return tensor
         self._count(purpose, tensor)
-        out = torch.cat(dist_fn.all_gather(tensor.contiguous()))
+        with warnings.catch_warnings():
+            # deprecated for torch's private functional collectives; open_clip's ClipLoss, which this
+            # baseline reproduces, gathers with this one, and it still works: keep the runs' logs clean
+            warnings.filterwarnings("ignore", "torch.distributed.nn.functional.all_gather", FutureWarning)
+            out = torch.cat(dist_fn.all_gather(tensor.contiguous()))
         if out.requires_grad:
             out.register_hook(lambda grad: self._count(purpose + "_backward", grad))
         return out
