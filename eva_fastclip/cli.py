@@ -176,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default="ViT-B-16", help="open_clip model whose transform and tokenizer both use"
     )
     p.add_argument("--shuffle-buffer", type=int, default=1000, help="ours (OpenCLIP's is fixed: 5000)")
+    p.add_argument(
+        "--device",
+        default=None,
+        help="also make every batch the model's input on this device (cuda, or cpu), and time ours with "
+        "the JPEGs decoded there (data.image_decode=gpu); default: the loaders alone",
+    )
     p.add_argument("--quick", action="store_true", help="tiny shards, one run each (a smoke test)")
     p.set_defaults(func=cmd_bench_data)
 
@@ -433,6 +439,7 @@ def cmd_bench_data(args) -> int:
         model=args.model,
         floor_samples=20 if args.quick else 500,
         shuffle_buffer=args.shuffle_buffer,
+        device=args.device,
         command=shlex.join(["eva-fastclip", *sys.argv[1:]]),
         **sizes,
     )

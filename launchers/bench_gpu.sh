@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The training-step benchmark of docs/benchmarks.md on one GPU: our DeepSpeed step (LAMB, then AdamW) against
-# OpenCLIP's own step, at a batch a GPU is meant for. Run from the repository root:
+# OpenCLIP's own step, at a batch a GPU is meant for; then (BENCH_DATA=0 skips it) bench-data with --device
+# cuda: both loaders feeding the GPU, and ours with the JPEGs decoded there (data.image_decode=gpu).
+# Run from the repository root:
 #   bash launchers/bench_gpu.sh                 # MODEL=ViT-B-16 BATCH=128 STEPS=20 by default
 # On a machine without DeepSpeed / open_clip / webdataset but with a .whl/ folder of their wheels (this project's
 # lent GPU machines: see the device README in shared/), they are installed under ~/site first.
@@ -20,3 +22,13 @@ for optim in lamb adamw; do
     --output "$out/speed_${optim}_gpu.json" > "$out/speed_${optim}_gpu.log" 2>&1 || { tail -40 "$out/speed_${optim}_gpu.log"; exit 1; }
 done
 for optim in lamb adamw; do echo "== ds_configs/zero1_bf16_${optim}.json"; tail -11 "$out/speed_${optim}_gpu.log"; done
+if [ "${BENCH_DATA:-1}" = 1 ]; then
+  # writes its photo shards first (data/bench_loader); needs scikit-learn (the photos) and open_clip_train
+  if python3 -c "import sklearn, open_clip_train" 2>/dev/null; then
+    python3 -m eva_fastclip bench-data --device cuda --shards 8 --workers 2 8 --repeats 1 \
+      --output "$out/data_gpu" > "$out/data_gpu.log" 2>&1 || { tail -40 "$out/data_gpu.log"; exit 1; }
+    echo "== bench-data --device cuda"; grep -v " INFO " "$out/data_gpu.log" | tail -22
+  else
+    echo "bench_gpu.sh: bench-data skipped: scikit-learn or open_clip_train is not installed"
+  fi
+fi

@@ -145,3 +145,44 @@ def test_bad_worker_counts_are_refused_before_any_work(tmp_path, capsys):
     assert main(argv) == 2  # 2 x 64 samples hold 2 batches of 64
     assert "--warmup 5 and --batches 9 must be >= 1 and fit in the 2 full batches" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
+
+
+def test_device_path_times_the_trainers_input_and_the_device_decode(shards, tmp_path):
+    """--device cpu runs what a GPU run times: every batch made into the model's input there, and ours
+    with the workers handing over JPEG bytes for the device to decode."""
+    root = Path(shards["256px"][0]).parent.parent
+    results = data_loader.run_data_benchmark(
+        root,
+        tmp_path / "out",
+        shards=2,
+        per_shard=24,
+        batch_size=8,
+        workers=[1],
+        repeats=1,
+        warmup=1,
+        batches=2,
+        kinds=["256px"],
+        floor_samples=8,
+        device="cpu",
+    )
+    runs = {run["loader"]: run for run in results["runs"]}
+    assert set(runs) == {"ours", "openclip", data_loader.DEVICE_DECODE}
+    device_decode = runs[data_loader.DEVICE_DECODE]
+    assert device_decode["image_dtype"] == "JPEG bytes" and device_decode["image_shape"] == [8]
+    # the bytes of 8 JPEGs of the 256-px shards, not 8 decoded 224-px crops
+    assert 8 * 1000 < device_decode["batch_bytes"] - 8 * 77 * 8 < 8 * 3 * 224 * 224
+    (row,) = results["summary"]
+    assert row["device_decode_ratio_samples_per_cpu_s"] == pytest.approx(
+        device_decode["samples_per_cpu_s"] / runs["openclip"]["samples_per_cpu_s"]
+    )
+    markdown = (tmp_path / "out" / "data_loader.md").read_text()
+    assert "model input on cpu" in markdown and "Ours with the JPEGs decoded on cpu" in markdown
+
+
+def test_a_device_this_machine_lacks_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(data_loader.torch.cuda, "is_available", lambda: False)
+    assert main(["bench-data", "--data", str(tmp_path / "d"), "--device", "cuda"]) == 2
+    assert "--device cuda: torch sees no CUDA GPU here" in capsys.readouterr().err
+    assert main(["bench-data", "--data", str(tmp_path / "d"), "--device", "mps"]) == 2
+    assert "--device mps: cuda or cpu" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()

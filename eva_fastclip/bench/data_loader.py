@@ -68,6 +68,8 @@ logger = logging.getLogger(__name__)
 
 KINDS = ("256px", "original")
 LOADERS = ("ours", "openclip")
+#: with --device: ours again, the workers handing JPEG bytes for the device to decode (data.image_decode=gpu)
+DEVICE_DECODE = "ours_device_decode"
 SHARDS_RECORD = "bench_shards.json"
 _SHARDS_VERSION = 2  # bump when the shards written change
 _JPEG_QUALITY = 95
@@ -256,9 +258,11 @@ def our_batches(
     workers: int,
     seed: int,
     shuffle_buffer: int = 1000,
+    decode_device: str | None = None,
+    pin_memory: bool = False,
 ):
     """Our training loader over ``urls`` (no per-sample state, so no index is needed), and its batches
-    per epoch."""
+    per epoch; with ``decode_device`` the workers hand over JPEG bytes (``data.image_decode=gpu``)."""
     from eva_fastclip.data import TrainLoader
 
     loader = TrainLoader(
@@ -270,8 +274,26 @@ def our_batches(
         seed=seed,
         needs_index=False,
         shuffle_buffer=shuffle_buffer,
+        decode_device=decode_device,
+        pin_memory=pin_memory,
     )
     return loader, loader.num_batches
+
+
+def on_device(loader, device: torch.device) -> Iterator[tuple]:
+    """``loader``'s batches, each also made into the model's float32 input on ``device`` as the trainer
+    makes it (ours: ``TrainLoader.to_device``, normalised or decoded there; OpenCLIP's: a copy), and
+    waited for; the host batch is yielded, so that the report says what crossed shared memory."""
+    for batch in loader:
+        images, tokens = batch[0], batch[1]
+        if hasattr(loader, "to_device"):
+            loader.to_device(images, device, torch.float32)
+        else:
+            images.to(device, dtype=torch.float32, non_blocking=True)
+        tokens.to(device, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        yield batch
 
 
 def _stats_successes(url: str) -> int:
@@ -395,11 +417,24 @@ def measure(batches: Iterable, warmup: int, timed: int, workers: int) -> dict[st
         "workers": len(pids),
         "worker_peak_rss_mib": max(sampler.peak_rss.values(), default=0.0),
         "worker_peak_private_mib": max(sampler.peak_private.values(), default=0.0),
-        "image_dtype": str(images.dtype).removeprefix("torch."),
-        "image_shape": list(images.shape),
+        **_describe_images(images),
         "token_shape": list(tokens.shape),
-        "batch_bytes": images.element_size() * images.numel() + tokens.element_size() * tokens.numel(),
+        "batch_bytes": _image_bytes(images) + tokens.element_size() * tokens.numel(),
     }
+
+
+def _describe_images(images) -> dict[str, Any]:
+    """A batch's images as the report names them: a tensor, or (``data.image_decode=gpu``) a list of
+    encoded JPEGs and finished uint8 images."""
+    if isinstance(images, torch.Tensor):
+        return {"image_dtype": str(images.dtype).removeprefix("torch."), "image_shape": list(images.shape)}
+    return {"image_dtype": "JPEG bytes", "image_shape": [len(images)]}
+
+
+def _image_bytes(images) -> int:
+    if isinstance(images, torch.Tensor):
+        return images.element_size() * images.numel()
+    return sum(_image_bytes(getattr(item, "data", item)) for item in images)
 
 
 def decode_floor(url: str, limit: int) -> dict[str, Any]:
@@ -468,12 +503,17 @@ def run_data_benchmark(
     floor_samples: int = 500,
     shuffle_buffer: int = 1000,
     seed: int = 0,
+    device: str | None = None,
     command: str | None = None,
 ) -> dict[str, Any]:
     """Every (shard kind, worker count): ``repeats`` runs of each loader, alternating, and the decode
-    floor; the results are written under ``output`` (``data_loader.json``, ``data_loader.md``)."""
+    floor; the results are written under ``output`` (``data_loader.json``, ``data_loader.md``).
+
+    With ``device`` every batch is also made into the model's input there, as the trainer makes it, and
+    a third loader runs: ours with the JPEGs decoded on ``device`` (``data.image_decode=gpu``)."""
     import open_clip
 
+    target = _check_device(device)
     workers, kinds = list(workers), list(kinds)
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
@@ -496,21 +536,29 @@ def run_data_benchmark(
     paths = bench_shards(data, shards, per_shard, seed)
     preprocess = training_transform(model)
     tokenizer = open_clip.get_tokenizer(model)
+    pin = target is not None and target.type == "cuda"  # as the trainer pins for a GPU
     loaders = {
-        "ours": functools.partial(our_batches, shuffle_buffer=shuffle_buffer),
+        "ours": functools.partial(our_batches, shuffle_buffer=shuffle_buffer, pin_memory=pin),
         "openclip": openclip_batches,
     }
+    if target is not None:
+        loaders[DEVICE_DECODE] = functools.partial(
+            our_batches, shuffle_buffer=shuffle_buffer, decode_device=target, pin_memory=pin
+        )
+    names = tuple(loaders)
 
     runs: list[dict[str, Any]] = []
     for kind in kinds:
         for w in workers:
             for repeat in range(repeats):
-                order = LOADERS if repeat % 2 == 0 else LOADERS[::-1]
+                order = names if repeat % 2 == 0 else names[::-1]
                 for name in order:
                     others = set(_children())  # e.g. multiprocessing's resource tracker
                     with openclip_patched() if name == "openclip" else contextlib.nullcontext():
                         loader, _ = loaders[name](paths[kind], preprocess, tokenizer, batch_size, w, seed)
-                        result = measure(loader, warmup, timed[w], workers=w)
+                        batches = loader if target is None else on_device(loader, target)
+                        result = measure(batches, warmup, timed[w], workers=w)
+                        del batches
                     del loader  # a persistent DataLoader (OpenCLIP's) keeps its workers while it lives
                     wait_for_workers_to_exit(others)
                     result.update(kind=kind, loader=name, workers=w, repeat=repeat)
@@ -542,6 +590,7 @@ def run_data_benchmark(
             "shards": shards,
             "per_shard": per_shard,
             "data": str(data),
+            "device": None if target is None else str(target),
         },
         "shuffle_buffer": {
             "ours": f"{shuffle_buffer} samples per worker (data.shuffle_buffer), encoded bytes",
@@ -561,13 +610,32 @@ def run_data_benchmark(
     return results
 
 
+def _check_device(device: str | None) -> torch.device | None:
+    """``--device`` as a torch device; ValueError, before any work, for one this machine does not have."""
+    if device is None:
+        return None
+    try:
+        target = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"--device {device!r}: {err}") from None
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"--device {device}: torch sees no CUDA GPU here; leave --device out to time the loaders alone"
+        )
+    if target.type not in ("cuda", "cpu"):
+        raise ValueError(
+            f"--device {device}: cuda or cpu (cpu runs the device path on the CPU, as the tests do)"
+        )
+    return target
+
+
 def _summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Medians per (kind, workers, loader), and ours / OpenCLIP."""
     rows = []
     for kind in dict.fromkeys(r["kind"] for r in runs):
         for w in dict.fromkeys(r["workers"] for r in runs if r["kind"] == kind):
             row: dict[str, Any] = {"kind": kind, "workers": w}
-            for name in LOADERS:
+            for name in dict.fromkeys(r["loader"] for r in runs):
                 mine = [r for r in runs if (r["kind"], r["workers"], r["loader"]) == (kind, w, name)]
                 row[name] = {
                     key: statistics.median(r[key] for r in mine)
@@ -580,6 +648,8 @@ def _summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 }
             for key in ("samples_per_s", "samples_per_cpu_s"):
                 row[f"ratio_{key}"] = row["ours"][key] / row["openclip"][key]
+                if DEVICE_DECODE in row:
+                    row[f"device_decode_ratio_{key}"] = row[DEVICE_DECODE][key] / row["openclip"][key]
             rows.append(row)
     return rows
 
@@ -595,7 +665,13 @@ def format_data_report(results: dict[str, Any]) -> str:
         f"{results['what']}; {results['date']}, {results['machine']['cpu']} ({results['machine']['cores']} "
         f"cores), torch {results['versions']['torch']}, webdataset {results['versions']['webdataset']}, "
         f"open_clip {results['versions']['open_clip']}; {s['model']} transform, batch {s['batch_size']}, "
-        f"{s['shards']} x {s['per_shard']} samples per shard kind, medians of {s['repeats']} runs.",
+        f"{s['shards']} x {s['per_shard']} samples per shard kind, medians of {s['repeats']} runs"
+        + (
+            f"; every batch also made into float32 model input on {s['device']}, as the trainer makes it, "
+            "and waited for."
+            if s.get("device")
+            else "; the loaders alone (normalising ours on the device is not in these figures)."
+        ),
         "",
         "| shards | workers | ours samples/s | OpenCLIP samples/s | ours / OpenCLIP | ours samples/CPU-s | "
         "OpenCLIP samples/CPU-s | ours / OpenCLIP per CPU-s | ours batch | OpenCLIP batch | "
@@ -612,6 +688,24 @@ def format_data_report(results: dict[str, Any]) -> str:
             f"{ours['worker_peak_rss_mib']:.0f} / {oc['worker_peak_rss_mib']:.0f} | "
             f"{ours['worker_peak_private_mib']:.0f} / {oc['worker_peak_private_mib']:.0f} |"
         )
+    if s.get("device"):
+        lines += [
+            "",
+            f"Ours with the JPEGs decoded on {s['device']} (data.image_decode=gpu; the workers read the "
+            "bytes and draw the crop boxes):",
+            "",
+            "| shards | workers | samples/s | / OpenCLIP | samples/CPU-s | / OpenCLIP per CPU-s | batch | "
+            "worker peak RSS MiB |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for row in results["summary"]:
+            d = row[DEVICE_DECODE]
+            lines.append(
+                f"| {row['kind']} | {row['workers']} | {d['samples_per_s']:.0f} | "
+                f"{row['device_decode_ratio_samples_per_s']:.2f} | {d['samples_per_cpu_s']:.0f} | "
+                f"**{row['device_decode_ratio_samples_per_cpu_s']:.2f}** | {_batch(d)} | "
+                f"{d['worker_peak_rss_mib']:.0f} |"
+            )
     lines += [
         "",
         "Decode-only floor (one process, bytes in memory, no crop), samples per CPU-second:",
