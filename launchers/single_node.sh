@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One machine: the GPUs CUDA_VISIBLE_DEVICES names (the first NUM_GPUS of them), else all of its GPUs (or
 # NUM_GPUS of them):
-#   launchers/single_node.sh configs/cc3m_fastclip_v3.json [--set key=value ...] [--resume latest]
+#   launchers/single_node.sh configs/cc3m_rn50_fastclip_v3.json [--set key=value ...] [--resume latest]
 #   CUDA_VISIBLE_DEVICES=4,5,6,7 launchers/single_node.sh CONFIG.json     # a shared node: GPUs 4-7 only
 set -euo pipefail
 config=${1:?usage: single_node.sh CONFIG.json [eva-fastclip train options]}
