@@ -118,6 +118,32 @@ def test_full_size_path_matches_open_clip_compose(photos, interpolation):
             assert torch.allclose(normalised, reference, atol=1.01 / 255 / min(CLIP_STD), rtol=0)
 
 
+@pytest.mark.parametrize("interpolation", [T.InterpolationMode.BICUBIC, T.InterpolationMode.BILINEAR])
+def test_upsampled_and_mixed_crops_stay_within_the_stated_bound(photos, interpolation):
+    """Crops that grow (100 x 90 to 224) or shrink on one axis and grow on the other (220-300 px images):
+    bicubic within 6 levels on at most 0.1% of the pixels (2 where both axes grow), bilinear within 1."""
+    compose = train_compose(224, interpolation)
+    transform = TrainImageTransform.from_preprocess(compose)
+    bicubic = interpolation == T.InterpolationMode.BICUBIC
+    for size, bound in (((100, 90), 2), ((220, 230), 6), ((240, 240), 6), ((300, 200), 6)):
+        for photo in photos:
+            data = encode(photo, size, fmt="PNG")
+            for seed in range(4):
+                error = (ours(transform, data, seed).int() - compose_crop(compose, data, seed).int()).abs()
+                assert error.max() <= (bound if bicubic else 1), (size, seed)
+                assert (error > 1).float().mean() <= 0.001, (size, seed)
+
+
+def test_a_crop_of_the_output_size_is_its_own_tensor(photos):
+    """A box of exactly the output size is not resized: the result must not be a view of the whole decoded
+    image, which would all go through shared memory with it."""
+    transform = TrainImageTransform.from_preprocess(train_compose(64))
+    image = torch.tensor(photos[0][:100, :100]).permute(2, 0, 1).contiguous()
+    cropped = transform.resize(image, (10, 20, 64, 64))
+    assert cropped.is_contiguous() and cropped.untyped_storage().nbytes() == 3 * 64 * 64
+    assert torch.equal(cropped, image[:, 10:74, 20:84])
+
+
 def test_normalize_is_bit_identical_to_to_tensor_and_normalize():
     compose = train_compose(32)
     images = torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8)
@@ -252,3 +278,32 @@ def test_decode_on_device_matches_the_worker_path(photos, large_jpegs):
     worker = torch.stack([ours(transform, data, seed) for seed, data in enumerate(samples)])
     assert torch.equal(batch[:4], worker[:4])
     assert (batch[4].float() - worker[4].float()).abs().mean() < 3.0
+
+
+def test_a_batch_the_device_decoder_refuses_is_decoded_one_by_one(photos, monkeypatch):
+    """One file the device's decoder refuses fails its batched call: each JPEG is then decoded alone, the
+    refused one by PIL, and the batch equals the worker path's; a JPEG neither decodes names both errors."""
+    from eva_fastclip.data import image_transform
+
+    transform = TrainImageTransform.from_preprocess(train_compose(64))
+    samples = [encode(photos[0], (90, 80), quality=95), encode(photos[1], (80, 90), quality=95)]
+    items = [
+        transform.device_plan(data, torch.Generator().manual_seed(seed)) for seed, data in enumerate(samples)
+    ]
+    refused = items[1].data
+    real_decode = image_transform.decode_jpeg
+
+    def device_decoder(data, **options):
+        if isinstance(data, list) or data is refused:
+            raise RuntimeError("nvjpeg: unsupported JPEG (simulated)")
+        return real_decode(data, **options)
+
+    monkeypatch.setattr(image_transform, "decode_jpeg", device_decoder)
+    batch = decode_on_device(items, transform, torch.device("cpu"))
+    worker = torch.stack([ours(transform, data, seed) for seed, data in enumerate(samples)])
+    assert torch.equal(batch, worker)
+
+    damaged = image_transform.EncodedJpeg(refused[: len(refused) // 2].clone(), items[1].box)
+    refused = damaged.data
+    with pytest.raises(RuntimeError, match="decodes neither on cpu .* nor with PIL"):
+        decode_on_device([items[0], damaged], transform, torch.device("cpu"))
