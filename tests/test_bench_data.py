@@ -90,22 +90,16 @@ def test_openclip_loader_runs_patched_and_restored(shards):
     assert all(images.shape == (8, 3, 224, 224) and texts.shape == (8, 77) for images, texts in batches)
 
 
-def test_one_short_run_of_both_loaders(shards, tmp_path):
+def short_run(shards, output, **options):
+    """One run of each loader over the fixture's 256-px shards, batches of 8, one worker."""
     root = Path(shards["256px"][0]).parent.parent
+    sizes = dict(shards=2, per_shard=24, batch_size=8, workers=[1], repeats=1, warmup=1, kinds=["256px"])
+    return data_loader.run_data_benchmark(root, output, floor_samples=8, **sizes, **options)
+
+
+def test_one_short_run_of_both_loaders(shards, tmp_path):
     before = set(data_loader._children())
-    results = data_loader.run_data_benchmark(
-        root,
-        tmp_path / "out",
-        shards=2,
-        per_shard=24,
-        batch_size=8,
-        workers=[1],
-        repeats=1,
-        warmup=1,
-        batches=3,
-        kinds=["256px"],
-        floor_samples=8,
-    )
+    results = short_run(shards, tmp_path / "out", batches=3)
     written = json.loads((tmp_path / "out" / "data_loader.json").read_text())
     assert written["summary"] == results["summary"]
     markdown = (tmp_path / "out" / "data_loader.md").read_text()
@@ -150,21 +144,7 @@ def test_bad_worker_counts_are_refused_before_any_work(tmp_path, capsys):
 def test_device_path_times_the_trainers_input_and_the_device_decode(shards, tmp_path):
     """--device cpu runs what a GPU run times: every batch made into the model's input there, and ours
     with the workers handing over JPEG bytes for the device to decode."""
-    root = Path(shards["256px"][0]).parent.parent
-    results = data_loader.run_data_benchmark(
-        root,
-        tmp_path / "out",
-        shards=2,
-        per_shard=24,
-        batch_size=8,
-        workers=[1],
-        repeats=1,
-        warmup=1,
-        batches=2,
-        kinds=["256px"],
-        floor_samples=8,
-        device="cpu",
-    )
+    results = short_run(shards, tmp_path / "out", batches=2, device="cpu")
     runs = {run["loader"]: run for run in results["runs"]}
     assert set(runs) == {"ours", "openclip", data_loader.DEVICE_DECODE}
     device_decode = runs[data_loader.DEVICE_DECODE]
