@@ -155,14 +155,17 @@ def test_every_found_task_scores_its_main_metric_as_datacomp_defines_it(root):
 
     scores = [row["main_metric"] for row in results["tasks"]]
     averages = results["averages"]
+    # a mean over fewer tasks is no DataComp figure: no value, the mean of the evaluated ones beside it
     assert averages["datacomp_average"] == {
-        "value": pytest.approx(math.fsum(scores) / 6),
+        "value": None,
+        "mean_of_evaluated": pytest.approx(math.fsum(scores) / 6),
         "tasks": 6,
         "of": 38,
     }
-    assert averages["retrieval_average"] == {"value": flickr["main_metric"], "tasks": 1, "of": 3}
+    retrieval = {"value": None, "mean_of_evaluated": flickr["main_metric"], "tasks": 1, "of": 3}
+    assert averages["retrieval_average"] == retrieval
     imagenet = rows["imagenet1k"]["main_metric"]
-    assert averages["imagenet_and_variants_average"] == {"value": imagenet, "tasks": 1, "of": 7}
+    assert averages["imagenet_and_variants_average"]["mean_of_evaluated"] == imagenet
     assert "misc/winogavil" in results["missing"]
 
 
@@ -181,8 +184,8 @@ def test_eval_suite_from_the_command_line(root, tmp_path, capsys):
     written = json.loads((tmp_path / "model.pt.datacomp.json").read_text())
     assert written["checkpoint"] == str(checkpoint) and len(written["tasks"]) == 6
     for name, average in written["averages"].items():
-        assert name in printed and f"{average['value']:.4f}" in printed
-    assert "partial" in printed and "missing (32)" in printed
+        assert name in printed and f"{average['mean_of_evaluated']:.4f}" in printed
+    assert "partial: the mean of the tasks evaluated" in printed and "missing (32)" in printed
 
 
 def test_ranks_that_see_different_task_folders_all_stop(root, tmp_path):
@@ -199,3 +202,27 @@ def test_ranks_that_see_different_task_folders_all_stop(root, tmp_path):
 
     for result in on_ranks(2, work):
         assert isinstance(result, ValueError) and "the ranks see different task folders" in str(result)
+
+
+def test_blank_lines_are_no_class_and_no_prompt(tmp_path):
+    """clip_benchmark 1.6 keeps blank lines of classnames.txt and the templates, 1.4 (DataComp's) drops
+    them: a blank line must neither shift the labels nor make an empty prompt."""
+    from eva_fastclip.evaluation.sets import read_wds_folder
+
+    folder = write_classification_folder(
+        tmp_path / "wds_cars", np.eye(3, DIM), [0, 1, 2], ["cat", "", "dog", "bird"], templates=["a {c}.", ""]
+    )
+    evalset = read_wds_folder(folder)
+    assert evalset.classnames == ["cat", "dog", "bird"] and evalset.templates == ["a {c}."]
+
+
+def test_an_average_has_a_value_only_with_all_its_tasks():
+    from eva_fastclip.evaluation.datacomp import averages
+
+    members = AVERAGES["retrieval_average"]
+    rows = [{"name": name, "main_metric": 0.25 * (i + 1)} for i, name in enumerate(members)]
+    complete = averages(rows)["retrieval_average"]
+    assert complete == {"value": 0.5, "mean_of_evaluated": 0.5, "tasks": 3, "of": 3}
+    partial = averages(rows[:2])["retrieval_average"]
+    assert partial == {"value": None, "mean_of_evaluated": 0.375, "tasks": 2, "of": 3}
+    assert averages([])["retrieval_average"]["mean_of_evaluated"] is None

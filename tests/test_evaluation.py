@@ -293,6 +293,7 @@ def test_retrieval_with_several_captions_per_image(tmp_path):
         "text_to_image_R@2": 1.0,
         "num_samples": 4,
         "num_texts": 6,
+        "num_skipped": 0,
     }
 
 

@@ -80,7 +80,10 @@ def evaluate_model(
         evalset = run_everywhere(collectives, device, lambda: read_pair_shards(cfg.retrieval_shards))
         scores = retrieve(model, bundle.tokenizer, evalset, **common)
         scores.pop("num_texts")  # one caption per image
+        skipped = scores.pop("num_skipped")
         results.update({f"retrieval_{k}": v for k, v in scores.items()})
+        if skipped:
+            results["retrieval_num_skipped"] = skipped
         n = scores["num_samples"]
         for k in (1, 5, 10):  # one caption per image: a random ranking hits with probability k/n
             results[f"retrieval_R@{k}_chance"] = min(k, n) / n

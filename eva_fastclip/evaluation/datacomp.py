@@ -169,7 +169,8 @@ def evaluate_datacomp(
     progress: bool = False,
 ) -> dict[str, Any]:
     """Every task found under ``datasets_root``: ``{"tasks": [per task: key, name, folder, main_metric,
-    metrics], "missing": [keys], "averages": {name: {"value", "tasks", "of"}}}``, the same on every rank."""
+    metrics], "missing": [keys], "averages": {name: {"value", "mean_of_evaluated", "tasks", "of"}}}``, the
+    same on every rank."""
     collectives = collectives or SingleRank()
     found = _found_on_every_rank(datasets_root, collectives, device)
     missing = [task for task in TASKS if task not in found]
@@ -198,6 +199,8 @@ def evaluate_datacomp(
                 **{f"text_retrieval_recall@{k}": recall[f"image_to_text_R@{k}"] for k in (1, 5, 10)},
                 "num_samples": recall["num_samples"],
             }
+            if recall["num_skipped"]:
+                metrics["num_skipped"] = recall["num_skipped"]
             metrics["mean_recall@1"] = 0.5 * (
                 metrics["image_retrieval_recall@1"] + metrics["text_retrieval_recall@1"]
             )
@@ -234,13 +237,20 @@ def evaluate_datacomp(
 
 
 def averages(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The three averages over the tasks evaluated: value (None without any), tasks evaluated, of how many."""
+    """The three averages: ``value`` only where every task of one was evaluated (a mean over fewer tasks is
+    another number, which DataComp's aggregate_scores.py refuses to give), ``mean_of_evaluated`` over the
+    tasks evaluated (None without any), and how many tasks of how many."""
     scores = {row["name"]: row["main_metric"] for row in rows}
     result = {}
     for name, members in AVERAGES.items():
         present = [scores[member] for member in members if member in scores]
-        value = math.fsum(present) / len(present) if present else None
-        result[name] = {"value": value, "tasks": len(present), "of": len(members)}
+        mean = math.fsum(present) / len(present) if present else None
+        result[name] = {
+            "value": mean if len(present) == len(members) else None,
+            "mean_of_evaluated": mean,
+            "tasks": len(present),
+            "of": len(members),
+        }
     return result
 
 
@@ -249,11 +259,14 @@ def format_datacomp(results: dict[str, Any]) -> str:
     width = max([len(row["name"]) for row in results["tasks"]] + [30])
     lines = [f"{'task':<{width}}  {'main metric':<22}  value"]
     for row in results["tasks"]:
-        lines.append(f"{row['name']:<{width}}  {row['main_metric_name']:<22}  {row['main_metric']:.4f}")
+        skipped = row["metrics"].get("num_skipped", 0)
+        note = f"  ({skipped} unreadable samples skipped)" if skipped else ""
+        lines.append(f"{row['name']:<{width}}  {row['main_metric_name']:<22}  {row['main_metric']:.4f}{note}")
     lines.append("")
     for name, average in results["averages"].items():
-        value = "n/a" if average["value"] is None else f"{average['value']:.4f}"
-        partial = "" if average["tasks"] == average["of"] else "  (partial)"
+        mean = average["mean_of_evaluated"]
+        value = "n/a" if mean is None else f"{mean:.4f}"
+        partial = "" if average["value"] is not None else "  (partial: the mean of the tasks evaluated)"
         lines.append(f"{name:<{width}}  {average['tasks']:>2} of {average['of']:<16}  {value}{partial}")
     if results["missing"]:
         lines.append(f"missing ({len(results['missing'])}): {', '.join(results['missing'])}")

@@ -130,13 +130,16 @@ def read_wds_folder(root: str | os.PathLike, name: str | None = None) -> Classif
         raise FileNotFoundError(f"{root}: test/nshards.txt says {nshards} shards, {missing[0]} is missing")
     if dataset_type == "retrieval":
         return RetrievalSet(name, _index(shards, _RETRIEVAL_PARTS), every_line=True)
+    # blank lines are no class and no prompt: clip_benchmark 1.4 (DataComp's) drops them, 1.6 keeps them
+    classnames = [c for c in built.classes or [] if c.strip()]
+    templates = [t for t in built.templates or [] if t.strip()]
     for what, value, file in (
-        ("class names", built.classes, "classnames.txt"),
-        ("prompt templates", built.templates, "zeroshot_classification_templates.txt"),
+        ("class names", classnames, "classnames.txt"),
+        ("prompt templates", templates, "zeroshot_classification_templates.txt"),
     ):
         if not value:
             raise FileNotFoundError(f"{root / file}: missing or empty; a classification folder needs {what}")
-    return ClassificationSet(name, _index(shards, _CLASSIFICATION_PARTS), built.classes, built.templates)
+    return ClassificationSet(name, _index(shards, _CLASSIFICATION_PARTS), classnames, templates)
 
 
 def read_pair_shards(sources: str | list[str], name: str = "retrieval") -> RetrievalSet:

@@ -192,7 +192,7 @@ def retrieve(
 ) -> dict[str, float]:
     """Image->text and text->image Recall@k over ``evalset`` (an image hits if any of its captions is in
     its top k), each rank encoding its share; keys of ``metrics.retrieval_recall`` plus "num_samples"
-    (images) and "num_texts"."""
+    (images), "num_texts" and "num_skipped" (images that could not be read)."""
     collectives = collectives or SingleRank()
 
     def encode_own_share() -> dict[str, Tensor]:
@@ -226,7 +226,8 @@ def retrieve(
     texts, owners = gathered["texts"][text_order], gathered["owners"][text_order]
     text_to_image = torch.searchsorted(ordinals, owners)
     metrics = retrieval_recall(images, texts, text_to_image, ks)
-    return {**metrics, "num_samples": len(images), "num_texts": len(texts)}
+    skipped = len(evalset.samples) - len(images)
+    return {**metrics, "num_samples": len(images), "num_texts": len(texts), "num_skipped": skipped}
 
 
 def fill_template(template: str, classname: str) -> str:
