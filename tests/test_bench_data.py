@@ -117,6 +117,9 @@ def test_one_short_run_of_both_loaders(shards, tmp_path):
     )
     floor = results["floor"]["256px"]
     assert floor["pil_samples_per_cpu_s"] > 0 and floor["torchvision_samples_per_cpu_s"] > 0
+    assert set(floor["stages_ms"]) == {key for key, _ in data_loader.STAGES}
+    assert all(ms > 0 for ms in floor["stages_ms"].values())
+    assert "Per-sample CPU time by stage" in markdown and "| **ours, all stages** |" in markdown
     assert set(data_loader._children()) <= before  # every worker stopped
 
 

@@ -181,12 +181,17 @@ def _encode(image: PIL.Image.Image) -> tuple[bytes, tuple[int, int]]:
         return out.getvalue(), image.size
 
 
-def read_jpegs(url: str) -> list[bytes]:
-    """The JPEG members of a shard, as bytes."""
+def read_samples(url: str) -> list[tuple[bytes, str]]:
+    """The (JPEG bytes, caption) pairs of a shard, in its order."""
     import tarfile
 
+    members: dict[str, dict[str, bytes]] = {}
     with tarfile.open(url) as tar:
-        return [tar.extractfile(m).read() for m in tar.getmembers() if m.name.endswith(".jpg")]
+        for member in tar.getmembers():
+            key, _, extension = member.name.rpartition(".")
+            if extension in ("jpg", "txt"):
+                members.setdefault(key, {})[extension] = tar.extractfile(member).read()
+    return [(parts["jpg"], parts["txt"].decode("utf-8")) for parts in members.values() if len(parts) == 2]
 
 
 # ---- the loaders ----------------------------------------------------------------------------------------
@@ -442,9 +447,9 @@ def decode_floor(url: str, limit: int) -> dict[str, Any]:
     """Samples per CPU-second of decoding alone (the bytes in memory, no crop), one process."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    jpegs = read_jpegs(url)[:limit]
+    jpegs = [data for data, _ in read_samples(url)[:limit]]
     decoders: dict[str, Callable[[bytes], Any]] = {
-        "pil": lambda data: PIL.Image.open(io.BytesIO(data)).convert("RGB"),
+        "pil": _pil_rgb,
         "torchvision": lambda data: decode_jpeg(
             torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB
         ),
@@ -466,6 +471,55 @@ def decode_floor(url: str, limit: int) -> dict[str, Any]:
     finally:
         torch.set_num_threads(threads)
     return result
+
+
+#: the stages of a sample, in the order the report lists them: OpenCLIP's per-sample path, then ours
+STAGES = (
+    ("openclip_decode", "OpenCLIP: PIL decode, RGB"),
+    ("openclip_crop_resize", "OpenCLIP: RandomResizedCrop (PIL)"),
+    ("openclip_to_tensor", "OpenCLIP: ToTensor"),
+    ("openclip_normalize", "OpenCLIP: Normalize"),
+    ("openclip_tokenize", "OpenCLIP: tokenize one caption"),
+    ("ours_image", "ours: decode, crop, resize to uint8"),
+    ("ours_tokenize", "ours: tokenize a batch, per sample"),
+)
+
+
+def _pil_rgb(data: bytes) -> PIL.Image.Image:
+    return PIL.Image.open(io.BytesIO(data)).convert("RGB")
+
+
+def stage_times(url: str, limit: int, preprocess, tokenizer, batch_size: int) -> dict[str, float]:
+    """CPU milliseconds per sample of each stage in :data:`STAGES`, one process and one thread, the bytes
+    in memory: where a loader's time goes, beside what the whole loaders measure."""
+    from eva_fastclip.data.image_transform import TrainImageTransform
+
+    crop, *_, to_tensor, normalize = preprocess.transforms
+    ours = TrainImageTransform.from_preprocess(preprocess)
+    samples = read_samples(url)[:limit]
+    spent = dict.fromkeys([key for key, _ in STAGES], 0.0)
+
+    def timed(key: str, fn, *args):
+        start = time.process_time()
+        out = fn(*args)
+        spent[key] += time.process_time() - start
+        return out
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for i, (data, caption) in enumerate(samples):
+            image = timed("openclip_decode", _pil_rgb, data)
+            image = timed("openclip_crop_resize", crop, image)
+            tensor = timed("openclip_to_tensor", to_tensor, image)
+            timed("openclip_normalize", normalize, tensor)
+            timed("openclip_tokenize", tokenizer, [caption])
+            timed("ours_image", ours, data, torch.Generator().manual_seed(i))
+        for start in range(0, len(samples), batch_size):
+            timed("ours_tokenize", tokenizer, [caption for _, caption in samples[start : start + batch_size]])
+    finally:
+        torch.set_num_threads(threads)
+    return {key: 1000 * seconds / len(samples) for key, seconds in spent.items()}
 
 
 # ---- the benchmark --------------------------------------------------------------------------------------
@@ -575,6 +629,8 @@ def run_data_benchmark(
     for kind in kinds:
         floor[kind] = {"runs": [decode_floor(paths[kind][0], floor_samples) for _ in range(repeats)]}
         floor[kind].update(_floor_summary(floor[kind]["runs"]))
+        stages = stage_times(paths[kind][0], floor_samples, preprocess, tokenizer, batch_size)
+        floor[kind]["stages_ms"] = stages
 
     results = {
         "what": "training loader throughput: ours (TrainLoader) against OpenCLIP's get_wds_dataset",
@@ -722,6 +778,21 @@ def format_data_report(results: dict[str, Any]) -> str:
             f"| {kind} | {f['mean_jpeg_kib']:.0f} | {f['mean_megapixels']:.2f} | "
             f"{f['pil_samples_per_cpu_s']:.0f} | {f['torchvision_samples_per_cpu_s']:.0f} |"
         )
+    kinds = [kind for kind, f in results["floor"].items() if "stages_ms" in f]
+    if kinds:
+        lines += [
+            "",
+            "Per-sample CPU time by stage, ms (one process, one thread, the bytes in memory):",
+            "",
+            "| stage | " + " | ".join(kinds) + " |",
+            "|---|" + "---|" * len(kinds),
+        ]
+        stages = {kind: results["floor"][kind]["stages_ms"] for kind in kinds}
+        for key, label in STAGES:
+            lines.append(f"| {label} | " + " | ".join(f"{stages[k][key]:.2f}" for k in kinds) + " |")
+        for who in ("openclip", "ours"):
+            totals = [sum(v for key, v in stages[k].items() if key.startswith(who)) for k in kinds]
+            lines.append(f"| **{who}, all stages** | " + " | ".join(f"**{t:.2f}**" for t in totals) + " |")
     buffers = results["shuffle_buffer"]
     lines += [
         "",
