@@ -205,15 +205,23 @@ def test_ranks_that_see_different_task_folders_all_stop(root, tmp_path):
 
 
 def test_blank_lines_are_no_class_and_no_prompt(tmp_path):
-    """clip_benchmark 1.6 keeps blank lines of classnames.txt and the templates, 1.4 (DataComp's) drops
-    them: a blank line must neither shift the labels nor make an empty prompt."""
+    """clip_benchmark 1.6 keeps blank lines of classnames.txt and the templates: trailing blank class lines
+    and blank prompts are dropped, a blank class line before the last is refused (labels number the lines)."""
     from eva_fastclip.evaluation.sets import read_wds_folder
 
+    names = ["cat", "dog", "bird", "", " "]
     folder = write_classification_folder(
-        tmp_path / "wds_cars", np.eye(3, DIM), [0, 1, 2], ["cat", "", "dog", "bird"], templates=["a {c}.", ""]
+        tmp_path / "wds_cars", np.eye(3, DIM), [0, 1, 2], names, templates=["a {c}.", "", "an {c}!"]
     )
     evalset = read_wds_folder(folder)
-    assert evalset.classnames == ["cat", "dog", "bird"] and evalset.templates == ["a {c}."]
+    assert evalset.classnames == ["cat", "dog", "bird"] and evalset.templates == ["a {c}.", "an {c}!"]
+    labels = [evalset.target(sample.read(), sample)[0] for sample in evalset.samples]
+    assert [evalset.classnames[label] for label in labels] == ["cat", "dog", "bird"]
+    folder = write_classification_folder(
+        tmp_path / "wds_pets", np.eye(3, DIM), [0, 1, 2], ["cat", "", "dog", "bird"]
+    )
+    with pytest.raises(ValueError, match="classnames.txt: line 2 is blank, before the last class"):
+        read_wds_folder(folder)
 
 
 def test_an_average_has_a_value_only_with_all_its_tasks():

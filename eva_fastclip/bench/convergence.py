@@ -65,7 +65,8 @@ RECIPE: dict[str, Any] = {
     # at every evaluation, costing more CPU than the training steps; the results are the same
     "eval.workers": 0,
 }
-#: bumped when RECIPE or VARIANTS change, so results of an older recipe are never mixed with new ones.
+#: bumped when a change of RECIPE or VARIANTS changes results (not e.g. eval.workers, which only moves the
+#: decoding between processes), so results of an older recipe are never mixed with new ones.
 #: 1: 2026-11-23 (zero1_adamw.json, clipping 1.0, v3 exact τ-gradient, one-time τ-lr drop, iSogCLR's
 #: momentum rule); 2: 2026-11-25 (the corrected defaults above).
 RECIPE_VERSION = 2

@@ -68,7 +68,6 @@ from eva_fastclip.data.shards import write_shard
 logger = logging.getLogger(__name__)
 
 KINDS = ("256px", "original")
-LOADERS = ("ours", "openclip")
 #: with --device: ours again, the workers handing JPEG bytes for the device to decode (data.image_decode=gpu)
 DEVICE_DECODE = "ours_device_decode"
 SHARDS_RECORD = "bench_shards.json"
@@ -490,8 +489,9 @@ def _pil_rgb(data: bytes) -> PIL.Image.Image:
 
 
 def stage_times(url: str, limit: int, preprocess, tokenizer, batch_size: int) -> dict[str, float]:
-    """CPU milliseconds per sample of each stage in :data:`STAGES`, one process and one thread, the bytes
-    in memory: where a loader's time goes, beside what the whole loaders measure."""
+    """CPU milliseconds per sample of each stage in :data:`STAGES`, one thread, the bytes in memory: where
+    a loader's time goes, beside what the whole loaders measure. ``preprocess``: open_clip's training
+    Compose (:func:`training_transform` checks it)."""
     from eva_fastclip.data.image_transform import TrainImageTransform
 
     crop, *_, to_tensor, normalize = preprocess.transforms
@@ -500,9 +500,9 @@ def stage_times(url: str, limit: int, preprocess, tokenizer, batch_size: int) ->
     spent = dict.fromkeys([key for key, _ in STAGES], 0.0)
 
     def timed(key: str, fn, *args):
-        start = time.process_time()
+        start = time.thread_time()
         out = fn(*args)
-        spent[key] += time.process_time() - start
+        spent[key] += time.thread_time() - start
         return out
 
     threads = torch.get_num_threads()
@@ -539,7 +539,15 @@ def training_transform(model: str):
         for k, v in config.get("preprocess_cfg", {}).items()
         if k in ("mean", "std", "interpolation", "resize_mode")
     }
-    return open_clip.image_transform(config["vision_cfg"]["image_size"], is_train=True, **options)
+    transform = open_clip.image_transform(config["vision_cfg"]["image_size"], is_train=True, **options)
+    from eva_fastclip.data.image_transform import TrainImageTransform, explain_unrecognised
+
+    if TrainImageTransform.from_preprocess(transform) is None:  # before any work, not after the runs
+        raise ValueError(
+            f"--model {model}: its training transform is not one ours takes apart: "
+            f"{explain_unrecognised(transform)}"
+        )
+    return transform
 
 
 def run_data_benchmark(
@@ -675,19 +683,25 @@ def _check_device(device: str | None) -> torch.device | None:
         target = torch.device(device)
     except RuntimeError as err:
         raise ValueError(f"--device {device!r}: {err}") from None
-    if target.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            f"--device {device}: torch sees no CUDA GPU here; leave --device out to time the loaders alone"
-        )
     if target.type not in ("cuda", "cpu"):
         raise ValueError(
             f"--device {device}: cuda or cpu (cpu runs the device path on the CPU, as the tests do)"
         )
+    if target.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            raise ValueError(
+                f"--device {device}: torch sees no CUDA GPU here (without --device: the loaders alone)"
+            )
+        if target.index is not None and target.index >= count:
+            raise ValueError(f"--device {device}: torch sees {count} GPU(s), cuda:0 to cuda:{count - 1}")
+        # CUDA starts now, not in the first timed run: every loader's workers fork from the same parent
+        torch.zeros(1, device=target)
     return target
 
 
 def _summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Medians per (kind, workers, loader), and ours / OpenCLIP."""
+    """Per (kind, workers, loader): the rates' medians, the worst run's memory; and ours / OpenCLIP."""
     rows = []
     for kind in dict.fromkeys(r["kind"] for r in runs):
         for w in dict.fromkeys(r["workers"] for r in runs if r["kind"] == kind):

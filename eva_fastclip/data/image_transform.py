@@ -266,7 +266,8 @@ def normalize(images: Tensor, mean, std, dtype: torch.dtype) -> Tensor:
 
 def decode_on_device(items: list, transform: TrainImageTransform, device: torch.device) -> Tensor:
     """uint8 ``[B, 3, H, W]`` on ``device`` from :meth:`TrainImageTransform.device_plan`'s items: the
-    JPEGs decoded there in one call, cropped and resized there; the finished images moved there."""
+    JPEGs decoded there in one call (one by one if the device refuses one), cropped and resized there; the
+    finished images moved there."""
     device = torch.device(device)
     jpegs = [i for i, item in enumerate(items) if isinstance(item, EncodedJpeg)]
     out: list[Tensor | None] = [None] * len(items)
@@ -278,8 +279,10 @@ def decode_on_device(items: list, transform: TrainImageTransform, device: torch.
         encoded = [items[i].data for i in jpegs]
         try:
             decoded = decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device)
+        except torch.OutOfMemoryError:
+            raise  # a RuntimeError too, but no file's fault
         except RuntimeError:  # one file the device refuses fails the whole call: decode one by one
-            decoded = [_decode_one(items[i].data, transform, device) for i in jpegs]
+            decoded = [_decode_one(items[i].data, device) for i in jpegs]
         for i, image in zip(jpegs, decoded):
             out[i] = transform.resize(image.to(device), items[i].box)
     for i, item in enumerate(items):
@@ -288,11 +291,13 @@ def decode_on_device(items: list, transform: TrainImageTransform, device: torch.
     return torch.stack(out)
 
 
-def _decode_one(data: Tensor, transform: TrainImageTransform, device: torch.device) -> Tensor:
+def _decode_one(data: Tensor, device: torch.device) -> Tensor:
     """One JPEG on ``device``, or, where the device refuses it (arithmetic-coded, lossless, a damaged
     scan), decoded here by the workers' decoders (PIL decides last) and moved there."""
     try:
         return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+    except torch.OutOfMemoryError:
+        raise
     except RuntimeError as device_error:
         try:
             with _open(data.numpy().tobytes()) as image:

@@ -266,7 +266,11 @@ def format_datacomp(results: dict[str, Any]) -> str:
     for name, average in results["averages"].items():
         mean = average["mean_of_evaluated"]
         value = "n/a" if mean is None else f"{mean:.4f}"
-        partial = "" if average["value"] is not None else "  (partial: the mean of the tasks evaluated)"
+        partial = (
+            ""
+            if average["value"] is not None or mean is None
+            else "  (partial: the mean of the tasks evaluated)"
+        )
         lines.append(f"{name:<{width}}  {average['tasks']:>2} of {average['of']:<16}  {value}{partial}")
     if results["missing"]:
         lines.append(f"missing ({len(results['missing'])}): {', '.join(results['missing'])}")

@@ -130,8 +130,17 @@ def read_wds_folder(root: str | os.PathLike, name: str | None = None) -> Classif
         raise FileNotFoundError(f"{root}: test/nshards.txt says {nshards} shards, {missing[0]} is missing")
     if dataset_type == "retrieval":
         return RetrievalSet(name, _index(shards, _RETRIEVAL_PARTS), every_line=True)
-    # blank lines are no class and no prompt: clip_benchmark 1.4 (DataComp's) drops them, 1.6 keeps them
-    classnames = [c for c in built.classes or [] if c.strip()]
+    # blank lines are no class and no prompt (clip_benchmark 1.6 keeps them); a blank class line before
+    # the last class would leave the .cls labels, which index the lines, ambiguous: refused
+    classnames = list(built.classes or [])
+    while classnames and not classnames[-1].strip():
+        classnames.pop()
+    if any(not c.strip() for c in classnames):
+        line = next(i for i, c in enumerate(classnames) if not c.strip()) + 1
+        raise ValueError(
+            f"{root / 'classnames.txt'}: line {line} is blank, before the last class; the .cls labels "
+            "number the lines, so a blank one leaves it unclear which class each label means"
+        )
     templates = [t for t in built.templates or [] if t.strip()]
     for what, value, file in (
         ("class names", classnames, "classnames.txt"),

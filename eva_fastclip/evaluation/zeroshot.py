@@ -189,7 +189,7 @@ def retrieve(
     collectives: Collectives | None = None,
     progress: bool = False,
     ks: Sequence[int] = (1, 5, 10),
-) -> dict[str, float]:
+) -> dict[str, float | int]:
     """Image->text and text->image Recall@k over ``evalset`` (an image hits if any of its captions is in
     its top k), each rank encoding its share; keys of ``metrics.retrieval_recall`` plus "num_samples"
     (images), "num_texts" and "num_skipped" (images that could not be read)."""

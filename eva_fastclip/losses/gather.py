@@ -14,6 +14,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 
+# gather_with_grad's all-gather is deprecated for torch's private functional collectives; open_clip's
+# ClipLoss, which the baseline reproduces, gathers with it, and it works: keep the runs' logs clean (a
+# filter set once: catch_warnings per call would reset every once-per-location warning of the step)
+warnings.filterwarnings("ignore", "torch.distributed.nn.functional.all_gather is deprecated", FutureWarning)
+
 
 class Gatherer:
     """All-gathers along dim 0 and all-reduces across ``world_size`` ranks (no-ops for one rank)."""
@@ -59,11 +64,7 @@ class Gatherer:
         if self.world_size == 1:
             return tensor
         self._count(purpose, tensor)
-        with warnings.catch_warnings():
-            # deprecated for torch's private functional collectives; open_clip's ClipLoss, which this
-            # baseline reproduces, gathers with this one, and it still works: keep the runs' logs clean
-            warnings.filterwarnings("ignore", "torch.distributed.nn.functional.all_gather", FutureWarning)
-            out = torch.cat(dist_fn.all_gather(tensor.contiguous()))
+        out = torch.cat(dist_fn.all_gather(tensor.contiguous()))
         if out.requires_grad:
             out.register_hook(lambda grad: self._count(purpose + "_backward", grad))
         return out
