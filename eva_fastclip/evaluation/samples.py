@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import logging
+import multiprocessing
 import os
 import tarfile
 from collections.abc import Callable, Iterator, Sequence
@@ -139,7 +140,23 @@ def share_loader(
     batches = own_batches(len(dataset), batch_size, rank, world_size)
     if not batches:
         return iter(())
+    workers = min(workers, len(batches))
     loader = DataLoader(
-        dataset, batch_sampler=batches, collate_fn=_collate, num_workers=min(workers, len(batches))
+        dataset,
+        batch_sampler=batches,
+        collate_fn=_collate,
+        num_workers=workers,
+        # Evaluation runs between training steps, while helper threads of the training loader and of the
+        # previous set's loader may be exiting. A worker forked at that moment can hang for good in
+        # CPython 3.11's after-fork cleanup (seen: rank 1's worker waiting in _PyThreadState_DeleteExcept,
+        # the other rank waiting for it). A forkserver forks the workers from a single-threaded process.
+        multiprocessing_context=_worker_context() if workers else None,
     )
     return iter(loader)
+
+
+def _worker_context():
+    context = multiprocessing.get_context("forkserver")
+    # what the workers need, imported once in the server rather than in every worker
+    context.set_forkserver_preload(["torch", "PIL.Image", "eva_fastclip.evaluation.samples"])
+    return context
