@@ -64,6 +64,7 @@ import torch
 
 from eva_fastclip.bench.speed import cpu_model
 from eva_fastclip.data.shards import write_shard
+from eva_fastclip.data.tar_reader import decode_image
 
 logger = logging.getLogger(__name__)
 
@@ -448,7 +449,7 @@ def decode_floor(url: str, limit: int) -> dict[str, Any]:
 
     jpegs = [data for data, _ in read_samples(url)[:limit]]
     decoders: dict[str, Callable[[bytes], Any]] = {
-        "pil": _pil_rgb,
+        "pil": decode_image,
         "torchvision": lambda data: decode_jpeg(
             torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB
         ),
@@ -484,10 +485,6 @@ STAGES = (
 )
 
 
-def _pil_rgb(data: bytes) -> PIL.Image.Image:
-    return PIL.Image.open(io.BytesIO(data)).convert("RGB")
-
-
 def stage_times(url: str, limit: int, preprocess, tokenizer, batch_size: int) -> dict[str, float]:
     """CPU milliseconds per sample of each stage in :data:`STAGES`, one thread, the bytes in memory: where
     a loader's time goes, beside what the whole loaders measure. ``preprocess``: open_clip's training
@@ -509,7 +506,7 @@ def stage_times(url: str, limit: int, preprocess, tokenizer, batch_size: int) ->
     torch.set_num_threads(1)
     try:
         for i, (data, caption) in enumerate(samples):
-            image = timed("openclip_decode", _pil_rgb, data)
+            image = timed("openclip_decode", decode_image, data)
             image = timed("openclip_crop_resize", crop, image)
             tensor = timed("openclip_to_tensor", to_tensor, image)
             timed("openclip_normalize", normalize, tensor)

@@ -62,6 +62,8 @@ import torchvision.transforms.v2.functional as F
 from torch import Tensor
 from torchvision.transforms import InterpolationMode
 
+from .tar_reader import decode_image
+
 try:  # deprecated since torchvision 0.29 (moving to torchcodec): without it every image takes PIL's path
     from torchvision.io import ImageReadMode, decode_jpeg
 
@@ -293,16 +295,14 @@ def decode_on_device(items: list, transform: TrainImageTransform, device: torch.
 
 def _decode_one(data: Tensor, device: torch.device) -> Tensor:
     """One JPEG on ``device``, or, where the device refuses it (arithmetic-coded, lossless, a damaged
-    scan), decoded here by the workers' decoders (PIL decides last) and moved there."""
+    scan), decoded here by PIL and moved there."""
     try:
         return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
     except torch.OutOfMemoryError:
         raise
     except RuntimeError as device_error:
         try:
-            with _open(data.numpy().tobytes()) as image:
-                image.load()
-                return _to_tensor(image.convert("RGB")).to(device)
+            return _to_tensor(decode_image(data.numpy().tobytes())).to(device)
         except (OSError, ValueError) as err:
             raise RuntimeError(
                 f"data.image_decode=gpu: a JPEG of this batch decodes neither on {device} ({device_error}) "
