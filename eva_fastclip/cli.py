@@ -228,7 +228,7 @@ def cmd_train(args) -> int:
             "world_size": world_size,
             "global_batch": layout.global_batch,
             # what the run's start-up log states: share per rank, micro-batch, accumulation, contrastive batch
-            "batch": {**layout.summary(), "derived_from": layout.source, "warning": layout.warning()},
+            "batch": {**layout.summary(), "derived_from": layout.source, "warnings": layout.warnings()},
             "data": preflight.sizes_dict(report),
             "preflight": report.to_dict(),
             "precision": {"name": precision.name, "reason": precision.reason, "warning": precision.warning},

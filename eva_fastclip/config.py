@@ -168,6 +168,7 @@ _COMPOSITIONAL_DEFAULTS: dict[str, Any] = {
     "eps": 1e-14,
 }
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+CONTRASTIVE_BATCHES = ("micro", "global")
 TEMPERATURE_RULES = ("fixed", "learnable", "rgcl_g", "individual_adam", "individual_momentum")
 #: how the rgcl_g rule takes tau's gradient: the objective's, or what FastCLIP's code computes
 TAU_GRADIENTS = ("exact", "fastclip_code")
@@ -403,6 +404,11 @@ class TrainConfig:
     grad_accum_steps: int | None = None
     """Micro-batches accumulated per optimizer step (DeepSpeed's gradient_accumulation_steps); null: 1, or
     derived from train.global_batch (then it must stay null)."""
+    contrastive_batch: str = "micro"
+    """The pairs each loss evaluation sees as negatives. micro: one micro-batch across the ranks (b x
+    ranks); global: every pair of the optimizer step, as if one rank took the whole global batch in one
+    forward pass, at the cost of one more forward pass per micro-batch (without autograd) and the step's
+    features held on every rank (docs/losses.md, Gradient accumulation). The same without accumulation."""
     epochs: int = 1
     """Passes over data.num_samples; ignored when `steps` is set."""
     steps: int | None = None
@@ -456,6 +462,11 @@ class TrainConfig:
         _positive("train.max_skipped_steps", self.max_skipped_steps, allow_zero=True)
         if self.precision not in PRECISIONS:
             raise ConfigError(f"train.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.contrastive_batch not in CONTRASTIVE_BATCHES:
+            raise ConfigError(
+                f"train.contrastive_batch must be one of {CONTRASTIVE_BATCHES}, got "
+                f"{self.contrastive_batch!r}"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -599,6 +610,8 @@ class BatchLayout:
     world_size: int
     source: str = "train.batch_size, train.grad_accum_steps"
     """The config keys it was derived from (error messages and the DeepSpeed JSON's checks name them)."""
+    contrastive: str = "micro"
+    """train.contrastive_batch: what each loss evaluation sees."""
 
     def owners(self) -> dict[str, str]:
         """The config keys behind each size, as the DeepSpeed JSON's checks name them."""
@@ -622,9 +635,20 @@ class BatchLayout:
 
     @property
     def samples_per_forward(self) -> int:
-        """Pairs that one loss evaluation sees across ranks (the negatives of each anchor): the
-        contrastive batch."""
+        """Pairs of one forward pass across ranks (a micro-batch on every rank)."""
         return self.micro_batch * self.world_size
+
+    @property
+    def contrastive_batch(self) -> int:
+        """Pairs that one loss evaluation sees across ranks (the negatives of each anchor): a forward
+        pass's, or with train.contrastive_batch=global the whole step's."""
+        return self.global_batch if self.contrastive == "global" else self.samples_per_forward
+
+    @property
+    def reference_contrastive_batch(self) -> int | None:
+        """The contrastive batch of the reference a train.global_batch stands for: every preset's
+        reference trained its global batch in one forward pass over its GPUs (no accumulation)."""
+        return self.global_batch if self.source.startswith("train.global_batch") else None
 
     def summary(self) -> dict[str, int]:
         """What the start-up log and ``train --dry-run`` state."""
@@ -634,29 +658,53 @@ class BatchLayout:
             "per_rank": self.per_rank,
             "micro_batch": self.micro_batch,
             "grad_accum_steps": self.grad_accum_steps,
-            "contrastive_batch": self.samples_per_forward,
+            "contrastive_batch": self.contrastive_batch,
         }
 
     def describe(self) -> str:
         """One line for the log: global batch, its share per rank, micro-batch, accumulation, contrastive
-        batch."""
+        batch (and whether it is the reference's)."""
+        if self.contrastive == "global":
+            what = "the whole step's pairs: train.contrastive_batch=global"
+        else:
+            what = "micro-batch x ranks: train.contrastive_batch=micro"
+        reference = self.reference_contrastive_batch
+        if reference == self.contrastive_batch:
+            what += ", the reference's"
+        elif reference is not None:
+            what += f"; the reference's: {reference}"
         return (
             f"global batch {self.global_batch} = {self.world_size} rank(s) x {self.per_rank} pairs "
             f"({self.grad_accum_steps} micro-batch(es) of {self.micro_batch} accumulated); each loss "
-            f"evaluation sees {self.samples_per_forward} pairs (the contrastive batch: micro-batch x "
-            f"ranks); from {self.source}"
+            f"evaluation sees {self.contrastive_batch} pairs (the contrastive batch: {what}); from "
+            f"{self.source}"
         )
 
-    def warning(self) -> str | None:
-        """Why this layout deserves a second look, or None."""
-        if self.grad_accum_steps <= MANY_MICRO_BATCHES:
-            return None
-        return (
-            f"{self.grad_accum_steps} micro-batches accumulated per optimizer step: each loss evaluation "
-            f"sees {self.samples_per_forward} of the global batch's {self.global_batch} pairs as negatives "
-            "(docs/losses.md, Gradient accumulation); more ranks or a larger train.max_micro_batch "
-            "raise it"
-        )
+    def warnings(self) -> list[str]:
+        """Why this layout deserves a second look."""
+        found = []
+        reference = self.reference_contrastive_batch
+        if reference is not None and self.contrastive_batch < reference:
+            found.append(
+                f"the contrastive batch shrank to {self.contrastive_batch} pairs from the reference's "
+                f"{reference}: its global batch of {self.global_batch} takes {self.grad_accum_steps} "
+                f"micro-batches on each of {self.world_size} rank(s), and each loss evaluation sees one. Set "
+                "train.contrastive_batch=global to train with the reference's (one more forward pass per "
+                "micro-batch; docs/losses.md, Gradient accumulation)"
+            )
+        if self.grad_accum_steps > MANY_MICRO_BATCHES:
+            found.append(
+                f"{self.grad_accum_steps} micro-batches accumulated per optimizer step: each step is "
+                f"{self.grad_accum_steps} forward passes long"
+                + (
+                    ""
+                    if self.contrastive == "global"
+                    else f", and each loss evaluation sees {self.contrastive_batch} of the global batch's "
+                    f"{self.global_batch} pairs as negatives (docs/losses.md, Gradient accumulation)"
+                )
+                + "; more ranks or a larger train.max_micro_batch shorten it"
+            )
+        return found
 
 
 def batch_layout(cfg: ExperimentConfig, world_size: int, *, resumed_global: int | None = None) -> BatchLayout:
@@ -668,7 +716,11 @@ def batch_layout(cfg: ExperimentConfig, world_size: int, *, resumed_global: int 
     number of ranks (``resumed_global``: its checkpoint's global batch) keeps its global batch by changing
     the accumulation. Every combination that cannot make the global batch is refused, naming the keys.
     """
-    train = cfg.train
+    layout = _sizes(cfg.train, world_size, resumed_global)
+    return dataclasses.replace(layout, contrastive=cfg.train.contrastive_batch)
+
+
+def _sizes(train: TrainConfig, world_size: int, resumed_global: int | None) -> BatchLayout:
     if world_size < 1:
         raise ConfigError(f"the number of ranks must be >= 1, got {world_size}")
     if train.global_batch is not None:

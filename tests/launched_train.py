@@ -33,12 +33,12 @@ def poison(spec: str) -> None:
     steps = {int(step) for step in steps.split(",")}
     real = Trainer.train_step
 
-    def train_step(self, images, tokens, indices):
+    def train_step(self, images, tokens, indices, keys=None):
         if self.rank == int(rank) and self.step + 1 in steps:
             # the model's input (uint8 from the loader is normalised on the device), with a NaN image
             images = self.loader.to_device(images, self.device, self.input_dtype).clone()
             images[0] = float("nan")
-        return real(self, images, tokens, indices)
+        return real(self, images, tokens, indices, keys)
 
     Trainer.train_step = train_step
 

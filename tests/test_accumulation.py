@@ -98,11 +98,11 @@ def test_the_logged_loss_is_the_mean_over_the_steps_micro_batches(tmp_path):
             losses.append(out.loss.item())
             return out
 
-    trainer.loss = Recording()
+    trainer.contrastive_step.loss = Recording()
     first, second = trainer.loader.batches
     assert trainer.train_step(*first) is None
     metrics = trainer.train_step(*second)
-    trainer.loss = loss
+    trainer.contrastive_step.loss = loss
     assert len(losses) == 2 and abs(losses[0] - losses[1]) > 1e-3  # the last one alone would differ
     assert metrics["loss"] == pytest.approx((losses[0] + losses[1]) / 2, rel=1e-6)
 
@@ -193,7 +193,8 @@ def test_the_order_of_the_micro_batches_does_not_change_the_step(tmp_path, caplo
         trainer = layouts.make_trainer(tmp_path / "a", "fastclip_v2", layouts.POOL)
     assert (
         "batch: global batch 16 = 1 rank(s) x 16 pairs (2 micro-batch(es) of 8 accumulated); each loss "
-        "evaluation sees 8 pairs (the contrastive batch: micro-batch x ranks)" in caplog.text
+        "evaluation sees 8 pairs (the contrastive batch: micro-batch x ranks: train.contrastive_batch=micro)"
+        in caplog.text
     )
     forward = layouts.run(trainer, steps)
     backward = layouts.run(

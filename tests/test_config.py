@@ -114,19 +114,60 @@ def test_the_global_batch_is_the_same_on_any_number_of_ranks(ranks, max_micro, m
     layout = batch_layout(cfg, ranks)
     assert (layout.micro_batch, layout.grad_accum_steps, layout.world_size) == (micro, accum, ranks)
     assert layout.global_batch == 5120 and layout.per_rank == 5120 // ranks
-    assert layout.samples_per_forward == micro * ranks  # the contrastive batch
+    assert layout.samples_per_forward == micro * ranks == layout.contrastive_batch  # micro: one forward's
     assert layout.summary()["contrastive_batch"] == micro * ranks
     assert f"global batch 5120 = {ranks} rank(s) x {5120 // ranks} pairs" in layout.describe()
-    assert (layout.warning() is None) == (accum <= 8)
+    # the reference (a preset's global batch) trained all 5120 pairs in one loss evaluation
+    shrank = [w for w in layout.warnings() if "contrastive batch shrank" in w]
+    assert bool(shrank) == (accum > 1)
+    if accum > 1:
+        assert f"shrank to {micro * ranks} pairs from the reference's 5120" in shrank[0]
+        assert "train.contrastive_batch=global" in shrank[0]
+        assert (
+            f"sees {micro * ranks} pairs" in layout.describe()
+            and "the reference's: 5120" in layout.describe()
+        )
+    # global: every loss evaluation sees the whole step, on any number of ranks, and nothing shrank
+    cfg = load_config(None, [*_global(5120, max_micro), "train.contrastive_batch=global"])
+    layout = batch_layout(cfg, ranks)
+    assert (layout.micro_batch, layout.grad_accum_steps) == (micro, accum)
+    assert layout.contrastive_batch == layout.summary()["contrastive_batch"] == 5120
+    assert "sees 5120 pairs (the contrastive batch: the whole step's pairs" in layout.describe()
+    assert "the reference's)" in layout.describe()
+    assert not [w for w in layout.warnings() if "contrastive batch" in w]
+
+
+def _global(batch, max_micro):
+    return [f"train.global_batch={batch}", f"train.max_micro_batch={json.dumps(max_micro)}"]
 
 
 def test_many_micro_batches_are_a_warning():
     cfg = load_config(None, ["train.global_batch=4096", "train.max_micro_batch=16"])
     layout = batch_layout(cfg, 8)  # 512 a rank: 32 micro-batches of 16
     assert (layout.micro_batch, layout.grad_accum_steps) == (16, 32)
-    assert "32 micro-batches accumulated" in layout.warning() and "128 of the global batch's 4096" in (
-        layout.warning()
+    (many,) = [w for w in layout.warnings() if "32 micro-batches accumulated" in w]
+    assert "128 of the global batch's 4096" in many
+    cfg = load_config(
+        None, ["train.global_batch=4096", "train.max_micro_batch=16", "train.contrastive_batch=global"]
     )
+    (many,) = batch_layout(cfg, 8).warnings()  # still 32 forward passes a step, but all 4096 negatives
+    assert "32 micro-batches accumulated" in many and "negatives" not in many
+
+
+def test_per_rank_batches_state_no_reference():
+    """Without train.global_batch the batch grows with the ranks: there is no reference to compare with."""
+    layout = batch_layout(load_config(None, ["train.batch_size=8", "train.grad_accum_steps=4"]), 2)
+    assert layout.contrastive_batch == 16 and layout.reference_contrastive_batch is None
+    assert layout.warnings() == [] and "reference" not in layout.describe()
+    cfg = load_config(
+        None, ["train.batch_size=8", "train.grad_accum_steps=4", "train.contrastive_batch=global"]
+    )
+    assert batch_layout(cfg, 2).contrastive_batch == 64
+
+
+def test_an_unknown_contrastive_batch_is_refused():
+    with pytest.raises(ConfigError, match="train.contrastive_batch must be one of"):
+        load_config(None, ["train.contrastive_batch=all"])
 
 
 @pytest.mark.parametrize(
@@ -238,7 +279,12 @@ def test_dry_run_validates_for_a_world_size(capsys, tmp_path):
         "grad_accum_steps": 2,
         "contrastive_batch": 128,
         "derived_from": "train.global_batch, train.max_micro_batch",
-        "warning": None,
+        "warnings": [
+            "the contrastive batch shrank to 128 pairs from the reference's 256: its global batch of 256 "
+            "takes 2 micro-batches on each of 2 rank(s), and each loss evaluation sees one. Set "
+            "train.contrastive_batch=global to train with the reference's (one more forward pass per "
+            "micro-batch; docs/losses.md, Gradient accumulation)"
+        ],
     }
     deepspeed = printed["deepspeed"]
     assert (deepspeed["train_micro_batch_size_per_gpu"], deepspeed["gradient_accumulation_steps"]) == (64, 2)

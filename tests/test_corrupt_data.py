@@ -137,7 +137,7 @@ def test_an_epoch_delivers_every_good_sample_and_counts_every_bad_one(corpus, to
         workers=workers,
     )
     delivered = []
-    for images, tokens, indices in loader:
+    for images, tokens, indices, _ in loader:
         for image, row_tokens, index in zip(images, tokens, indices.tolist()):
             sample = index_from_image(image)
             assert torch.equal(row_tokens, tokenize([f"sample {sample}"])[0])  # its own caption

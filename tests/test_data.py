@@ -88,10 +88,11 @@ def make_indexed_shards(tmp_path: Path, count: int, per_shard: int, corrupt: tup
 
 def check_batch(batch, tokenize, batch_size: int) -> list[int]:
     """Asserts shapes and that image, caption and index of every row belong together; returns indices."""
-    images, tokens, indices = batch
+    images, tokens, indices, keys = batch
     assert images.shape == (batch_size, 3, 8, 8) and images.dtype == torch.float32
     assert tokens.shape == (batch_size, 77) and tokens.dtype == torch.long
     assert indices.shape == (batch_size,) and indices.dtype == torch.int64
+    assert keys.shape == (batch_size,) and keys.dtype == torch.int64  # each sample's (data/sample_keys.py)
     for image, row_tokens, index in zip(images, tokens, indices.tolist()):
         assert index_from_image(image) == index
         assert torch.equal(row_tokens, tokenize([f"sample {index}"])[0])
@@ -311,7 +312,7 @@ def test_train_order_depends_on_seed_and_epoch_only(tmp_path, tokenize):
             workers=0,
         )
         loader.set_epoch(epoch)
-        return [index for _, _, indices in loader for index in indices.tolist()]
+        return [index for _, _, indices, _ in loader for index in indices.tolist()]
 
     first = epoch_indices(0)
     assert sorted(first) == list(range(32))
@@ -444,7 +445,7 @@ def test_unusable_index_is_skipped_and_counted_when_state_needs_it(tmp_path, tok
     assert [batch[2].tolist() for batch in batches] == [[4, 9], [0, 7]]
     positions = [[index_from_image(image) for image in batch[0]] for batch in batches]
     assert positions == [[0, 2], [4, 6]]  # the samples with a usable index, with their own images
-    for (_, tokens, _), rows in zip(batches, positions):
+    for (_, tokens, _, _), rows in zip(batches, positions):
         assert torch.equal(tokens, tokenize([f"sample {row}" for row in rows]))
     # missing key, 12 >= index_size, "n/a"; s007 (no .json) lies past the epoch's last sample: not drawn
     assert loader.skipped_by_reason["no_usable_index"] == loader.skipped == 3

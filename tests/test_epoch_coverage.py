@@ -68,7 +68,7 @@ def epoch_draws(sources, tokenize, *, ranks: int, workers: int, batch: int, epoc
         loader.set_epoch(epoch)
         batches = list(loader)
         assert len(batches) == loader.num_batches
-        drawn += [index for _, _, indices in batches for index in indices.tolist()]
+        drawn += [index for _, _, indices, _ in batches for index in indices.tolist()]
     return drawn
 
 
@@ -130,18 +130,18 @@ def test_a_resumed_epoch_draws_what_the_uninterrupted_one_would(tmp_path, tokeni
     for rank in range(2):
         whole = loader(rank)
         whole.set_epoch(1)
-        uninterrupted = [indices.tolist() for _, _, indices in whole]
+        uninterrupted = [indices.tolist() for _, _, indices, _ in whole]
         first = loader(rank)
         first.set_epoch(1)
         head = []
-        for _, _, indices in first:
+        for _, _, indices, _ in first:
             head.append(indices.tolist())
             if len(head) == 5:
                 break
         state = first.state_dict()
         second = loader(rank)
         assert second.resume(1, 5, state)  # exactly
-        tail = [indices.tolist() for _, _, indices in second]
+        tail = [indices.tolist() for _, _, indices, _ in second]
         assert head + tail == uninterrupted
 
 
@@ -170,7 +170,7 @@ def test_an_epoch_resumed_on_another_layout_draws_the_rest_once(
             [source], tokenize, rank=rank, ranks=ranks, workers=workers, batch=batch, buffer=buffer
         )
         loader.set_epoch(1)
-        for taken, (_, _, indices) in enumerate(loader, start=1):
+        for taken, (_, _, indices, _) in enumerate(loader, start=1):
             drawn += indices.tolist()
             if taken == done:
                 break
@@ -188,7 +188,7 @@ def test_an_epoch_resumed_on_another_layout_draws_the_rest_once(
             buffer=buffer,
         )
         assert not loader.resume(1, resume_at, position)  # approximately: another layout
-        rest = [indices.tolist() for _, _, indices in loader]
+        rest = [indices.tolist() for _, _, indices, _ in loader]
         drawn += [index for indices in rest for index in indices]
         # a re-tiled epoch saved and resumed on its own layout goes on exactly
         again = make_loader(
@@ -201,7 +201,7 @@ def test_an_epoch_resumed_on_another_layout_draws_the_rest_once(
             buffer=buffer,
         )
         again.resume(1, resume_at, position)
-        head = [indices.tolist() for _, (_, _, indices) in zip(range(2), again)]
+        head = [indices.tolist() for _, (_, _, indices, _) in zip(range(2), again)]
         last = make_loader(
             [source],
             tokenize,
@@ -212,7 +212,7 @@ def test_an_epoch_resumed_on_another_layout_draws_the_rest_once(
             buffer=buffer,
         )
         assert last.resume(1, resume_at + 2, again.state_dict())
-        assert head + [indices.tolist() for _, _, indices in last] == rest
+        assert head + [indices.tolist() for _, _, indices, _ in last] == rest
     global_batch = max(ranks * batch, new_ranks * new_batch)
     if buffer == 0:
         assert_once(drawn, sum(sizes), global_batch)
@@ -232,7 +232,7 @@ def test_a_consumer_that_runs_short_tops_up_and_says_so(tmp_path, tokenize, capl
         for rank in range(2):
             loader = make_loader([source], tokenize, rank=rank, ranks=2, workers=1, batch=4)
             loader.set_epoch(1)
-            batches = [indices.tolist() for _, _, indices in loader]
+            batches = [indices.tolist() for _, _, indices, _ in loader]
             assert len(batches) == loader.num_batches == 3
             drawn += [index for indices in batches for index in indices]
     assert (

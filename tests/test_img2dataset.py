@@ -183,7 +183,7 @@ def test_loader_yields_every_downloaded_sample_by_its_key(downloaded, tokenize):
     )
     assert (loader.num_samples, loader.dataset_size, loader.num_batches) == (40, INDEX_SIZE, 5)
     seen = []
-    for images, tokens, indices in loader:
+    for images, tokens, indices, _ in loader:
         assert images.shape == (8, 3, 8, 8)
         for row_tokens, index in zip(tokens, indices.tolist()):
             assert torch.equal(row_tokens, tokenize([written[index]])[0])

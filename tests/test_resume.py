@@ -82,7 +82,7 @@ def batches_after(loader, epoch, stop=None):
     """Batches of ``epoch`` (from where the loader stands) as (images, indices); with ``stop``, stops after
     that many and returns them and the loader's state then."""
     out = []
-    for images, _, indices in loader:
+    for images, _, indices, _ in loader:
         out.append((images, indices))
         if len(out) == stop:
             return out, loader.state_dict()

@@ -17,6 +17,7 @@ from torchvision import transforms
 from eva_fastclip.config import ConfigError, load_config
 from eva_fastclip.data import TrainLoader, write_shard
 from eva_fastclip.data.image_transform import EncodedJpeg
+from eva_fastclip.data.sample_keys import sample_key
 from eva_fastclip.engine import preflight
 
 SIZE = 32
@@ -74,7 +75,7 @@ def make(shards, tokenize, preprocess=COMPOSE, **kwargs):
 
 def epoch(loader, epoch=0):
     loader.set_epoch(epoch)
-    return [(images, tokens, indices) for images, tokens, indices in loader]
+    return list(loader)
 
 
 def to_uint8(normalised: torch.Tensor) -> torch.Tensor:
@@ -89,7 +90,9 @@ def test_the_fast_path_is_the_compose_on_the_same_samples_and_crops(shards, toke
     fast_batches, slow_batches = epoch(fast), epoch(slow)
     assert len(fast_batches) == len(slow_batches) == 11
     differences = []
-    for (images, tokens, indices), (reference, ref_tokens, ref_indices) in zip(fast_batches, slow_batches):
+    for (images, tokens, indices, keys), (reference, ref_tokens, ref_indices, ref_keys) in zip(
+        fast_batches, slow_batches
+    ):
         assert images.dtype == torch.uint8 and images.shape == (
             4,
             3,
@@ -97,6 +100,7 @@ def test_the_fast_path_is_the_compose_on_the_same_samples_and_crops(shards, toke
             SIZE,
         )  # a quarter of float32's bytes
         assert torch.equal(indices, ref_indices) and torch.equal(tokens, ref_tokens)
+        assert torch.equal(keys, ref_keys)
         # the same crop box (the same draws), resized by torch's kernel instead of PIL's: their bicubic
         # kernels round apart (measured here: 1.2% of values 1 level apart, 0.002% 2 levels, mean 0.013)
         differences.append((images.float() - to_uint8(reference)).abs().flatten())
@@ -107,14 +111,14 @@ def test_the_fast_path_is_the_compose_on_the_same_samples_and_crops(shards, toke
     assert difference.max() <= 2.0 + 1e-3 and difference.mean() < 0.05
     # the corrupt samples were skipped on both paths, as undecodable images
     assert fast.skipped_by_reason["undecodable_image"] == slow.skipped_by_reason["undecodable_image"] == 2
-    drawn = torch.cat([indices for _, _, indices in fast_batches]).tolist()
+    drawn = torch.cat([batch[2] for batch in fast_batches]).tolist()
     assert 5 not in drawn and 30 not in drawn and len(set(drawn)) == 44
 
 
 def test_decoding_on_the_device_gives_the_workers_images(shards, tokenize):
     on_device = make(shards, tokenize, decode_device="cpu")  # the GPU path, run on the CPU here
     in_workers = make(shards, tokenize)
-    for (items, _, indices), (images, _, ref_indices) in zip(epoch(on_device), epoch(in_workers)):
+    for (items, _, indices, _), (images, _, ref_indices, _) in zip(epoch(on_device), epoch(in_workers)):
         assert isinstance(items, list) and torch.equal(indices, ref_indices)
         # the workers read only headers: the JPEGs travel encoded, 1-D
         assert all(isinstance(item, EncodedJpeg) and item.data.dim() == 1 for item in items)
@@ -138,8 +142,32 @@ def test_a_resumed_epoch_crops_as_the_uninterrupted_one(shards, tokenize):
     assert second.resume(1, 4, first.state_dict())
     resumed = head + [batch for batch in second]
     assert len(resumed) == len(whole)
-    for (images, _, indices), (ref_images, _, ref_indices) in zip(resumed, whole):
+    for (images, _, indices, keys), (ref_images, _, ref_indices, ref_keys) in zip(resumed, whole):
         assert torch.equal(indices, ref_indices) and torch.equal(images, ref_images)
+        assert torch.equal(keys, ref_keys)
+
+
+def test_a_samples_key_and_crop_do_not_depend_on_the_layout(shards, tokenize):
+    """1 rank with 1 worker and 2 ranks with 2 workers each, batches of 4 and 2: every sample drawn by
+    both has the same key, the seed's, the epoch's and its index's alone
+    (data/sample_keys.py), and the same crop. Another epoch crops it anew."""
+
+    def by_index(loaders, number=1):
+        out = {}
+        for loader in loaders:
+            for images, _, indices, keys in epoch(loader, number):
+                out.update({int(i): (int(k), image) for i, k, image in zip(indices, keys, images)})
+        return out
+
+    one = by_index([make(shards, tokenize)])
+    two = by_index([make(shards, tokenize, batch_size=2, rank=r, world_size=2, workers=2) for r in (0, 1)])
+    both = sorted(one.keys() & two.keys())
+    assert len(both) >= 20  # (no record counts the shards: whole shards go to consumers, an epoch's part)
+    for index in both:
+        assert one[index][0] == two[index][0] == sample_key(3, 1, index), index
+        assert torch.equal(one[index][1], two[index][1]), index
+    other_epoch = by_index([make(shards, tokenize)], number=2)
+    assert sum(not torch.equal(other_epoch[i][1], one[i][1]) for i in both if i in other_epoch) > 10
 
 
 def test_gpu_decoding_is_refused_without_a_gpu_and_unknown_values_always():

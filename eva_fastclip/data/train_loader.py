@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader
 
 from .epoch_plan import EpochPlan, EpochRest, Segment, Tiling
 from .image_transform import TrainImageTransform, decode_on_device, normalize
+from .sample_keys import sample_key
 from .sizes import DataSizes, resolve_sizes
 from .tar_reader import (
     IMAGE_KEYS,
@@ -66,8 +67,9 @@ def _worker_info() -> tuple[int, int]:
 
 
 class TrainLoader:
-    """Training batches ``(images, tokens [b,ctx] long, indices [b] int64)`` from shards; :meth:`to_device`
-    makes the images what the model takes, on its device.
+    """Training batches ``(images, tokens [b,ctx] long, indices [b] int64, keys [b] int64)`` from shards;
+    :meth:`to_device` makes the images what the model takes, on its device. ``keys`` are the samples' keys
+    (:meth:`_sample_key`): each seeds its sample's crop here and its token mask in the model.
 
     With open_clip's training transform (:class:`.TrainImageTransform` recognises it) the workers decode,
     crop and resize, and hand uint8 images ``[b,3,H,W]`` to the trainer, which normalises them on its
@@ -313,7 +315,7 @@ class TrainLoader:
     def __len__(self) -> int:
         return self.num_batches
 
-    def __iter__(self) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor, Tensor, Tensor]]:
         self._skipped_before = list(self.skipped_by_reason.values())  # the streams start counting anew
         self._skips = {}
         if self._start >= self.num_batches:  # resumed at the epoch's end: no worker to start
@@ -337,14 +339,14 @@ class TrainLoader:
         # The workers together make >= num_batches; the cut makes every rank yield exactly num_batches.
         self._batches, self._streams = self._start, dict(self._resume)
         topped_up = 0  # batches that drew on the top-up pass: a worker's range ran short
-        for images, tokens, indices, (worker, stream, skips) in itertools.islice(
+        for images, tokens, indices, keys, (worker, stream, skips) in itertools.islice(
             loader, self.num_batches - self._start
         ):
             self._streams[worker] = tuple(stream)
             self._skips[worker] = tuple(skips)
             self._batches += 1
             topped_up += stream[0] > 0 and self._plan.by_samples and not self.resampled
-            yield images, tokens, indices
+            yield images, tokens, indices, keys
         if topped_up:
             logger.warning(
                 "epoch %d, rank %d: %d of %d batches drew on samples outside their worker's share of the "
@@ -479,13 +481,24 @@ class TrainLoader:
         index = self._index(sample, url, where)
         # where the stream stood, with its skips up to this sample: those a resumed stream counts from
         position = (*sample["__pos__"], tuple(self._failures.counts))
+        key = self._sample_key(sample, index, position)
         try:
-            image = self._image(sample[image_key], position)
+            image = self._image(sample[image_key], key)
         except Exception as exn:  # decoders raise many kinds: OSError, RuntimeError, DecompressionBombError
             message = f"{where}: .{image_key} does not decode ({exn!r})"
             raise BadSample("undecodable_image", url, message) from None
         self._failures.note_success()
-        return image, caption, index, position
+        return image, caption, index, key, position
+
+    def _sample_key(self, sample: dict[str, Any], index: int, position: tuple) -> int:
+        """The key (data/sample_keys.py) that seeds the sample's crop here and its token mask in the
+        model: the sample is its dataset index, else its shard and key; its occurrence is the pass of the
+        epoch's plan (a top-up draws it again). A resampled stream draws samples with replacement and
+        depends on the layout anyway: there the draw's place in its stream is the occurrence."""
+        worker, stream, taken = position[:3]
+        sample_id = index if index >= 0 else f"{os.path.basename(sample['__url__'])}/{sample['__key__']}"
+        occurrence = f"{self.rank}:{worker}:{self._offset}:{taken}" if self.resampled else stream.pass_number
+        return sample_key(self.seed, self.epoch, sample_id, occurrence)
 
     def _index(self, sample: dict[str, Any], url: str, where: str) -> int:
         """The sample's index from ``.json[index_key]``; -1 where it has none and the loss needs none."""
@@ -518,14 +531,10 @@ class TrainLoader:
             return True
         raise exn
 
-    def _image(self, data: bytes, position: tuple) -> Tensor | Any:
+    def _image(self, data: bytes, seed: int) -> Tensor | Any:
         """The training transform (a random crop) of a sample's encoded image, its draws seeded by the
-        sample's place in the stream, so that a resumed epoch crops every sample as the uninterrupted one
-        would have; the process's own generators are left as they were (with no workers they are the
+        sample's key; the process's own generators are left as they were (with no workers they are the
         training step's)."""
-        worker, stream, taken = position[:3]
-        place = f"{self.seed}:{self.epoch}:{self._offset}:{self.rank}:{worker}:{stream.pass_number}:{taken}"
-        seed = zlib.crc32(place.encode())
         if self.image_transform is None:  # any transform: it draws from torch's CPU generator
             image = decode_image(data)
             with torch.random.fork_rng(devices=[]):
@@ -541,25 +550,33 @@ class TrainLoader:
     def to_device(self, images: Tensor | list, device: torch.device, dtype: torch.dtype) -> Tensor:
         """A batch's images as the model takes them, on ``device``: decoded there (``decode_device``),
         normalised there (uint8 from the workers), or moved (float from a transform of the user's)."""
+        return self.model_input(self.onto_device(images, device), dtype)
+
+    def onto_device(self, images: Tensor | list, device: torch.device) -> Tensor:
+        """A batch's images on ``device``, not yet normalised: uint8 with open_clip's transform (decoded
+        there with ``decode_device``), else as the transform made them. What a cached step holds."""
         if isinstance(images, list):
-            images = decode_on_device(images, self.image_transform, device)
-        elif images.dtype != torch.uint8:
-            return images.to(device, dtype=dtype, non_blocking=True)
-        else:
-            images = images.to(device, non_blocking=True)
+            return decode_on_device(images, self.image_transform, device)
+        return images.to(device, non_blocking=True)
+
+    def model_input(self, images: Tensor, dtype: torch.dtype) -> Tensor:
+        """Images from :meth:`onto_device` as the model takes them: normalised (uint8), or cast."""
+        if images.dtype != torch.uint8:
+            return images.to(dtype=dtype)
         return normalize(images, self.image_transform.mean, self.image_transform.std, dtype)
 
     def _collate(self, examples: list[tuple]) -> tuple[Tensor, Tensor, Tensor, tuple]:
         """The batch, and its worker, that worker's _Stream state right after the batch's last sample was
         handed out and its skips up to there (webdataset batches a sample later: the stream may be further
         on by now)."""
-        images, captions, indices, positions = zip(*examples)
+        images, captions, indices, keys, positions = zip(*examples)
         worker, stream, taken, finished, read, skips = positions[-1]
         state = (stream.pass_number, taken, tuple(stream.counts[:finished]), read)
         return (
             list(images) if self.decode_device is not None else torch.stack(images),
             self.tokenize(list(captions)),
             torch.tensor(indices, dtype=torch.int64),
+            torch.tensor(keys, dtype=torch.int64),
             (worker, state, skips),
         )
 

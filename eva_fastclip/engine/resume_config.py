@@ -111,6 +111,9 @@ RULES: dict[str, Rule] = {
     "train.max_micro_batch": Rule(CHANGE),
     "train.batch_size": Rule(CHANGE),
     "train.grad_accum_steps": Rule(CHANGE),
+    "train.contrastive_batch": Rule(
+        FIXED, "it decides the negatives of every loss evaluation: the run would change its objective midway"
+    ),
     "train.epochs": Rule(CHANGE),
     "train.steps": Rule(CHANGE),
     "train.seed": Rule(CHANGE),
@@ -132,6 +135,8 @@ RULES: dict[str, Rule] = {
 #: keys whose null means "derived" (gamma's horizon from the run's length, the table's size from the data's
 #: files): a change to or from null is no change here (a wrong table size stops the per-sample state's load)
 _NULL_MEANS_DERIVED = ("loss.gamma_decay_epochs", "data.index_size")
+#: what a checkpoint from before a key existed trained with
+_BEFORE_THE_KEY = {"train.contrastive_batch": "micro"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,9 +173,12 @@ def compare(saved: dict[str, Any], new: dict[str, Any]) -> list[Change]:
 
     ``saved`` and ``new`` hold the experiment config under ``config`` and may hold the DeepSpeed settings
     under ``deepspeed`` (:func:`deepspeed_settings`). A key only one side knows (a checkpoint from before
-    the key existed, or a DeepSpeed setting an older checkpoint did not record) is left out.
+    the key existed, or a DeepSpeed setting an older checkpoint did not record) is left out, except those
+    whose value before the key existed is known (``_BEFORE_THE_KEY``).
     """
     old, now = _settings(saved), _settings(new)
+    if old:
+        old = {**_BEFORE_THE_KEY, **old}
     per_sample = _keeps_per_sample_state(saved.get("config", {}).get("loss", {}).get("name"))
     changes = []
     for key in sorted(old.keys() & now.keys()):

@@ -32,7 +32,15 @@ import torch.distributed as dist
 
 from eva_fastclip.config import ConfigError, ExperimentConfig, batch_layout, gamma_decay_epochs_for
 from eva_fastclip.data import TrainLoader
+from eva_fastclip.data.sample_keys import keys_for_indices
 from eva_fastclip.engine import checkpoint, preflight, resume_config
+from eva_fastclip.engine.contrastive_step import (
+    CachedStep,
+    MicroBatch,
+    MicroBatchStep,
+    held_memory,
+    running_statistics,
+)
 from eva_fastclip.engine.data_wait import DataWait, cores_per_rank, slowest_rank
 from eva_fastclip.engine.evaluate import evaluate_model, format_results
 from eva_fastclip.engine.precision import (
@@ -101,8 +109,8 @@ class Trainer:
         layout = batch_layout(cfg, self.world_size)
         if self.is_main:
             log.info("batch: %s", layout.describe())
-            if layout.warning():
-                log.warning(layout.warning())
+            for warning in layout.warnings():
+                log.warning(warning)
         # the shards' records are read once, by rank 0 (minutes for LAION-400M without data.index_size),
         # and every rank's loader is handed the sizes, each shard's count included
         sizes = None if loader is not None else self._on_rank0(lambda: preflight.data_sizes(cfg))
@@ -176,14 +184,9 @@ class Trainer:
         )
 
         # BatchNorm's running statistics (RN towers), and their values before the step under way
-        self._running_stats = [
-            buffer
-            for module in self.engine.module.modules()
-            if isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.track_running_stats
-            for buffer in (module.running_mean, module.running_var, module.num_batches_tracked)
-            if buffer is not None
-        ]
+        self._running_stats = running_statistics(self.engine.module)
         self._running_stats_before: list[torch.Tensor] | None = None
+        self.contrastive_step = self._contrastive_step(layout)
         self.step, self.epoch, self.micro_in_epoch = 0, 0, 0
         self.unmasked = False
         self._saved_step: int | None = None  # the step whose state this run saved (or resumed, unchanged)
@@ -218,9 +221,9 @@ class Trainer:
         )
         shown: dict[str, str] = {}  # the progress bar's last data wait fraction
         while self.step < self.total_steps:
-            for images, tokens, indices in data_wait.batches(self._epoch_batches):
+            for images, tokens, indices, *keys in data_wait.batches(self._epoch_batches):
                 self._maybe_unmask()
-                metrics = self.train_step(images, tokens, indices)
+                metrics = self.train_step(images, tokens, indices, *keys)
                 if metrics is None:  # accumulating: no optimizer step yet
                     continue
                 data_wait.step_ended()  # after train_step read the loss: the device finished the step
@@ -249,27 +252,27 @@ class Trainer:
             self.save()
         return self.evaluate(final=True)
 
-    def train_step(self, images, tokens, indices) -> dict[str, float] | None:
-        """One micro-batch; returns metrics when it completed an optimizer step, else None."""
+    def train_step(self, images, tokens, indices, keys=None) -> dict[str, float] | None:
+        """One micro-batch; returns metrics when it completed an optimizer step, else None. ``keys``: the
+        samples' keys (TrainLoader's), which pick their token masks; a loader without them gets the keys
+        TrainLoader would give the same indices (data/sample_keys.py)."""
         engine = self.engine
         if self._running_stats_before is None:  # the step's first micro-batch
             self._running_stats_before = [b.clone() for b in self._running_stats]
-        if hasattr(self.loader, "to_device"):  # decoded or normalised on the device (TrainLoader)
-            images = self.loader.to_device(images, self.device, self.input_dtype)
+        if keys is None:
+            keys = keys_for_indices(self.cfg.train.seed, self.epoch, indices)
+        if hasattr(self.loader, "onto_device"):  # decoded there, normalised at the forward (TrainLoader)
+            images = self.loader.onto_device(images, self.device)
         else:
-            images = images.to(self.device, dtype=self.input_dtype, non_blocking=True)
-        tokens = tokens.to(self.device, non_blocking=True)
-        image_features, text_features, logit_scale = engine(images, tokens)[:3]
-        # the loss runs in fp32 whatever the module's precision: logits of a large batch need the range
-        out = self.loss(
-            image_features.float(), text_features.float(), logit_scale.float(), indices.to(self.device)
+            images = images.to(self.device, non_blocking=True)
+        batch = MicroBatch(
+            images, tokens.to(self.device, non_blocking=True), indices.to(self.device), keys.to(self.device)
         )
-        engine.backward(out.loss)
-        finite = torch.isfinite(out.loss.detach())  # no sync here: read once per optimizer step
-        self._finite_in_step = finite if self._finite_in_step is None else self._finite_in_step & finite
-        self._losses_in_step = [*self._losses_in_step, out.loss.detach()]
-        boundary = engine.is_gradient_accumulation_boundary()
-        engine.step()
+        outs, boundary = self.contrastive_step.add(batch)  # forward(s), loss, backward, engine.step
+        for out in outs:
+            finite = torch.isfinite(out.loss.detach())  # no sync here: read once per optimizer step
+            self._finite_in_step = finite if self._finite_in_step is None else self._finite_in_step & finite
+            self._losses_in_step = [*self._losses_in_step, out.loss.detach()]
         self.micro_in_epoch += 1
         if not boundary:
             return None
@@ -283,13 +286,28 @@ class Trainer:
         else:
             self.loss.on_step_skipped()
         return {
-            **out.metrics,
+            **outs[-1].metrics,
             "loss": step_loss,
             "step_applied": float(engine.was_step_applied()),
             "loss_finite": float(loss_finite),
         }
 
     # ---- pieces --------------------------------------------------------------------------------------
+
+    def _contrastive_step(self, layout):
+        """What each loss evaluation sees (train.contrastive_batch, engine/contrastive_step.py)."""
+        if layout.contrastive == "micro":
+            return MicroBatchStep(self.engine, self.loss, self._model_input)
+        if self.is_main:  # uint8 from TrainLoader, a stand-in's floats
+            image_bytes = 1 if isinstance(self.loader, TrainLoader) else 4
+            log.info(held_memory(layout, self.bundle.embed_dim, self.bundle.image_shape, image_bytes))
+        return CachedStep(self.engine, self.loss, self._model_input, layout.grad_accum_steps)
+
+    def _model_input(self, images: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's images on the device as the model takes them (normalised, its precision)."""
+        if hasattr(self.loader, "model_input"):
+            return self.loader.model_input(images, self.input_dtype)
+        return images.to(dtype=self.input_dtype)
 
     def _maybe_unmask(self) -> None:
         """EVA-CLIP's unmasked final phase: the last ``model.unmasked_final_steps`` steps see all patches."""
@@ -770,14 +788,6 @@ def open_step_log(path: Path, step: int):
         tmp.write_text("".join(kept))
         os.replace(tmp, path)
     return open(path, "a")
-    for line in reversed(path.read_text().splitlines()):
-        try:
-            record = json.loads(line)
-        except ValueError:  # a line cut short by a kill
-            continue
-        if isinstance(record, dict) and record.get("step") == step:
-            return record
-    return None
 
 
 def init_process_group() -> tuple[int, int, torch.device]:

@@ -5,6 +5,13 @@ Losses that keep per-sample state (the compositional family) *stage* updates in 
 permanent in ``on_step_applied``; the trainer calls it only when the engine really applied the optimizer
 step (``engine.was_step_applied()``), and calls ``on_step_skipped`` otherwise (fp16 overflow, non-finite
 gradients), so a skipped step leaves every piece of state exactly as it was.
+
+A cached step (``train.contrastive_batch: global``, engine/cached_step.py) evaluates the loss of a whole
+optimizer step's pairs instead: ``begin_cached_step`` with every micro-batch's features from a pass
+without autograd (the loss gathers them over the ranks; per-sample state is staged here, once per step),
+then ``cached_forward`` once per micro-batch with its features live, whose gradients (averaged over the
+ranks and micro-batches, as the engine does) are those of one evaluation over all G pairs, then
+``end_cached_step``. ``forward`` is the same with one micro-batch.
 """
 
 from __future__ import annotations
@@ -45,6 +52,27 @@ class ContrastiveLoss(nn.Module):
         indices: torch.Tensor,
     ) -> LossOutput:
         raise NotImplementedError
+
+    def begin_cached_step(
+        self,
+        image_features: torch.Tensor,
+        text_features: torch.Tensor,
+        logit_scale: torch.Tensor,
+        indices: torch.Tensor,
+        micro_batch: int,
+    ) -> None:
+        """Take this rank's pairs of the step (its micro-batches in order, ``micro_batch`` pairs each,
+        features computed without autograd) and every rank's, for the ``cached_forward`` calls to come."""
+        raise NotImplementedError(f"{type(self).__name__} has no cached step (train.contrastive_batch)")
+
+    def cached_forward(
+        self, image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor, micro: int
+    ) -> LossOutput:
+        """Micro-batch ``micro`` of this rank's step, its features live, against every pair of the step."""
+        raise NotImplementedError(f"{type(self).__name__} has no cached step (train.contrastive_batch)")
+
+    def end_cached_step(self) -> None:
+        """Free what ``begin_cached_step`` kept (the staged per-sample state stays until the hooks)."""
 
     def on_step_applied(self) -> None:
         """Commit what ``forward`` staged: the optimizer step it contributed to was applied."""

@@ -81,8 +81,9 @@ class Operands:
             )
 
 
-def statistics(ops: Operands) -> Stats:
-    """One streaming pass over the row blocks (no autograd)."""
+def statistics(ops: Operands, columns: bool = True) -> Stats:
+    """One streaming pass over the row blocks (no autograd); ``columns=False`` leaves the column
+    statistics empty (zeros), for a caller that needs only the rows'."""
     b, big_b = ops.e1.shape[0], ops.all1.shape[0]
     new = ops.e1.new_empty
     rows = {k: new(b) for k in ("c1", "s1", "sd1", "c2", "s2", "sd2")}
@@ -95,7 +96,7 @@ def statistics(ops: Operands) -> Stats:
                 w = torch.exp(torch.where(mask, d - c.unsqueeze(1), -math.inf))
                 rows[f"c{k}"][r], rows[f"s{k}"][r] = c, w.sum(dim=1)
                 rows[f"sd{k}"][r] = (w * torch.where(mask, d, 0.0)).sum(dim=1)
-            for k, d in ((0, dhat1), (1, dhat2)):  # online log-sum-exp down the columns
+            for k, d in ((0, dhat1), (1, dhat2)) if columns else ():  # online log-sum-exp down the columns
                 block_c = torch.where(mask, d, -math.inf).amax(dim=0)
                 c = torch.maximum(col_c[k], block_c)
                 safe = _finite(c)
@@ -104,7 +105,9 @@ def statistics(ops: Operands) -> Stats:
                 ).sum(dim=0)
                 col_c[k] = c
             # free this block before the generator builds the next: two blocks alive would double the peak
-            del _, d1, d2, dhat2, dhat1, mask, d, c, w, block_c, safe
+            del _, d1, d2, dhat2, dhat1, mask, d, c, w
+            if columns:
+                del block_c, safe
     return Stats(
         rows["c1"], rows["s1"], rows["sd1"], rows["c2"], rows["s2"], rows["sd2"],
         _finite(col_c[0]), col_s[0], _finite(col_c[1]), col_s[1],

@@ -14,6 +14,7 @@ from torch import nn
 from eva_fastclip.config import ModelConfig
 from eva_fastclip.models import text_towers
 from eva_fastclip.models.eva import load_vision_tower
+from eva_fastclip.models.masking import key_patch_dropout
 
 SHIPPED_CONFIGS = Path(__file__).parent / "configs"
 open_clip.add_model_config(SHIPPED_CONFIGS)  # makes the tiny test/demo architectures known by name
@@ -25,6 +26,8 @@ class ModelBundle:
     preprocess_train: Callable
     preprocess_eval: Callable
     tokenizer: Callable
+    embed_dim: int  # the width of both towers' features
+    image_shape: tuple[int, int, int]  # (channels, height, width) of the vision tower's input
 
 
 def create_model(cfg: ModelConfig, *, temperature_init: float = 0.07) -> ModelBundle:
@@ -54,6 +57,7 @@ def create_model(cfg: ModelConfig, *, temperature_init: float = 0.07) -> ModelBu
     if cfg.text_checkpoint is not None:  # OpenCLIP / OpenAI text weights; raises on any transformer gap
         text_towers.load_text_checkpoint(model, cfg.text_checkpoint, skip=cfg.text_checkpoint_skip)
     make_logit_scale_1d(model)
+    key_patch_dropout(model)  # a sample's mask from its key inside keyed_masks (the trainer's steps)
     model.set_grad_checkpointing(cfg.grad_checkpointing)
     text_towers.set_text_grad_checkpointing(model, cfg.grad_checkpointing)
     if cfg.lock_text:
@@ -63,7 +67,10 @@ def create_model(cfg: ModelConfig, *, temperature_init: float = 0.07) -> ModelBu
         tokenizer = text_towers.hf_tokenizer(cfg.text_hf_model, text_kwargs["text_cfg"]["context_length"])
     else:
         tokenizer = open_clip.get_tokenizer(cfg.name)
-    return ModelBundle(model, preprocess_train, preprocess_eval, tokenizer)
+    size = model.visual.image_size
+    height, width = (size, size) if isinstance(size, int) else tuple(size)
+    embed_dim = open_clip.get_model_config(cfg.name)["embed_dim"]
+    return ModelBundle(model, preprocess_train, preprocess_eval, tokenizer, embed_dim, (3, height, width))
 
 
 def make_logit_scale_1d(model: nn.Module) -> None:

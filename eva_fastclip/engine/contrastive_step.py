@@ -1,0 +1,152 @@
+"""How a step's micro-batches become gradients: one loss evaluation per micro-batch, or one per step.
+
+``train.contrastive_batch`` chooses what each loss evaluation sees (docs/losses.md, Gradient accumulation):
+
+- ``micro`` (:class:`MicroBatchStep`): each micro-batch's forward, its loss over the micro-batch across
+  the ranks (c = b·K pairs), ``engine.backward``, ``engine.step``; DeepSpeed steps the optimizer at the
+  accumulation boundary.
+- ``global`` (:class:`CachedStep`): the optimizer step of K ranks × a micro-batches of b pairs is the step
+  of one rank taking all G = a·b·K pairs in one micro-batch. The step's micro-batches are held (their
+  images on the device, uint8 as the loader hands them) until the last one arrives; then
+    1. every micro-batch goes forward without autograd: the features of this rank's a·b pairs;
+    2. the loss takes them, gathers every rank's (G pairs) and stages the per-sample state once
+       (``begin_cached_step``);
+    3. every micro-batch goes forward again with autograd and backpropagates its loss against all G
+       pairs, its own live (``cached_forward``): the engine's mean over ranks and micro-batches is the
+       gradient over G, with no feature gradient sent between ranks.
+  Both passes mask a sample's tokens alike (its mask comes from its key: models/masking.py), so the step is
+  exact up to the order of float sums. Batch-dependent layers are the exception: BatchNorm (RN towers)
+  normalises over each micro-batch of b, as the reference's towers do over each GPU's batch of b (no
+  SyncBN), and its running statistics are put back after pass 1, so they are updated once per
+  micro-batch, as without caching. The cost: pass 1 (a forward without autograd) and the features of G
+  pairs on every rank (:func:`held_bytes`).
+
+Each step kind's ``add(batch)`` takes one micro-batch and returns the loss outputs of the micro-batches it
+backpropagated and whether the optimizer step was taken (DeepSpeed's accumulation boundary).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from eva_fastclip.losses import ContrastiveLoss, LossOutput
+from eva_fastclip.models.masking import keyed_masks
+
+
+@dataclass
+class MicroBatch:
+    images: torch.Tensor  # on the device, not yet the model's input (uint8 from TrainLoader)
+    tokens: torch.Tensor
+    indices: torch.Tensor
+    keys: torch.Tensor  # each sample's key: its token mask (data/sample_keys.py)
+
+
+ModelInput = Callable[[torch.Tensor], torch.Tensor]  # held images -> the model's input (normalised, dtype)
+
+
+def running_statistics(module: nn.Module) -> list[torch.Tensor]:
+    """BatchNorm's running statistics in ``module`` (RN towers): state that a forward pass changes."""
+    return [
+        buffer
+        for m in module.modules()
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+        for buffer in (m.running_mean, m.running_var, m.num_batches_tracked)
+        if buffer is not None
+    ]
+
+
+def held_bytes(layout, embed_dim: int, image_shape: tuple[int, ...], image_bytes: int = 1) -> dict[str, int]:
+    """What a cached step holds on each rank: the features of the step's G pairs (image and text, fp32,
+    gathered) and its own micro-batches' images until pass 2 (uint8 from the loader: 1 byte a value)."""
+    return {
+        "features": 2 * layout.global_batch * embed_dim * 4,
+        "images": layout.per_rank * math.prod(image_shape) * image_bytes,
+    }
+
+
+def held_memory(layout, embed_dim: int, image_shape: tuple[int, ...], image_bytes: int = 1) -> str:
+    """The start-up log's line on :func:`held_bytes`."""
+    held = held_bytes(layout, embed_dim, image_shape, image_bytes)
+    return (
+        f"train.contrastive_batch=global: each rank holds the features of the step's {layout.global_batch} "
+        f"pairs ({held['features'] / 2**20:.1f} MiB) and its {layout.per_rank} images of the step "
+        f"({held['images'] / 2**20:.1f} MiB) until their second pass"
+    )
+
+
+def _forward(engine, model_input: ModelInput, batch: MicroBatch):
+    image_features, text_features, logit_scale = engine(model_input(batch.images), batch.tokens)[:3]
+    # the loss runs in fp32 whatever the module's precision: logits of a large batch need the range
+    return image_features.float(), text_features.float(), logit_scale.float()
+
+
+class MicroBatchStep:
+    """``train.contrastive_batch: micro``: one loss evaluation per micro-batch."""
+
+    def __init__(self, engine, loss: ContrastiveLoss, model_input: ModelInput) -> None:
+        self.engine, self.loss, self.model_input = engine, loss, model_input
+
+    def add(self, batch: MicroBatch) -> tuple[list[LossOutput], bool]:
+        engine = self.engine
+        # the keys stay set over the backward: a checkpointed forward runs again there
+        with keyed_masks(engine.module, batch.keys):
+            image_features, text_features, logit_scale = _forward(engine, self.model_input, batch)
+            out = self.loss(image_features, text_features, logit_scale, batch.indices)
+            engine.backward(out.loss)
+        boundary = engine.is_gradient_accumulation_boundary()
+        engine.step()
+        return [out], boundary
+
+
+class CachedStep:
+    """``train.contrastive_batch: global``: one loss evaluation over the whole optimizer step."""
+
+    def __init__(self, engine, loss: ContrastiveLoss, model_input: ModelInput, micro_batches: int) -> None:
+        self.engine, self.loss, self.model_input = engine, loss, model_input
+        self.micro_batches = micro_batches
+        self._running_stats = running_statistics(engine.module)
+        self._held: list[MicroBatch] = []
+
+    def add(self, batch: MicroBatch) -> tuple[list[LossOutput], bool]:
+        self._held.append(batch)
+        if len(self._held) < self.micro_batches:
+            return [], False
+        held, self._held = self._held, []
+        return self._step(held), True
+
+    def _step(self, held: list[MicroBatch]) -> list[LossOutput]:
+        engine, loss = self.engine, self.loss
+        saved = [buffer.clone() for buffer in self._running_stats]
+        features = []
+        with torch.no_grad():  # pass 1: the features of this rank's pairs of the step
+            for batch in held:
+                with keyed_masks(engine.module, batch.keys):
+                    features.append(_forward(engine, self.model_input, batch))
+        for buffer, value in zip(self._running_stats, saved, strict=True):
+            buffer.copy_(value)  # pass 2 updates them, once per micro-batch
+        image_features, text_features, logit_scales = zip(*features)
+        loss.begin_cached_step(
+            torch.cat(image_features),
+            torch.cat(text_features),
+            logit_scales[0],
+            torch.cat([batch.indices for batch in held]),
+            micro_batch=held[0].indices.shape[0],
+        )
+        del features, image_features, text_features
+        outs = []
+        try:
+            for micro, batch in enumerate(held):  # pass 2: each micro-batch's gradient
+                with keyed_masks(engine.module, batch.keys):
+                    image_features, text_features, logit_scale = _forward(engine, self.model_input, batch)
+                    out = loss.cached_forward(image_features, text_features, logit_scale, micro)
+                    engine.backward(out.loss)
+                engine.step()
+                outs.append(out)
+        finally:
+            loss.end_cached_step()
+        return outs

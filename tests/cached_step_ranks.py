@@ -1,0 +1,128 @@
+"""Optimizer steps of a whole dataset of DATASET pairs, one step an epoch, through the real Trainer: the
+layouts that tests/test_cached_step.py compares. Run as a program (``deepspeed --num_gpus 2
+tests/cached_step_ranks.py OUT``), every rank saves what it holds after the steps of each configuration of
+LAUNCHED to ``OUT/<name>_rank<K>.pt``.
+
+Every step takes all DATASET pairs in a new order, in its own epoch: step 2 reads the u (and tau_i) that
+step 1 committed (gamma < 1 from epoch 1 on), step 3 those of step 2. A layout splits the step's pairs
+over its ranks and micro-batches in order; with ``train.contrastive_batch=global`` any split is the step of
+one rank taking all DATASET pairs in one micro-batch. The loader hands no keys: the Trainer derives each
+sample's key (its crop and token mask) from the seed, the epoch and its index, as TrainLoader would.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from engine_state import full_state
+
+from eva_fastclip.config import load_config
+from eva_fastclip.engine.trainer import Trainer
+
+DATASET, STEPS = 32, 3
+#: the losses (and options) the tests run: config overrides by name
+LOSSES = {
+    "fastclip_v3": ["loss.name=fastclip_v3", "loss.tau_gradient=exact"],  # global tau, exact gradient
+    "fastclip_v3_code": ["loss.name=fastclip_v3", "loss.tau_gradient=fastclip_code"],  # FastCLIP's
+    "fastclip_v2": ["loss.name=fastclip_v2"],  # individual tau_i, Adam-like
+    "isogclr": ["loss.name=isogclr"],  # individual tau_i
+    "sogclr": ["loss.name=sogclr"],  # fixed tau
+    "openclip": ["loss.name=openclip"],  # InfoNCE, learnable tau
+}
+#: what the 2-rank launch runs: (loss, ZeRO stage); each 2 ranks x 4 micro-batches of 4, global
+LAUNCHED = [(loss, 1) for loss in LOSSES] + [("fastclip_v3", 0), ("fastclip_v3", 2), ("openclip", 2)]
+
+
+def step_pairs() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """STEPS steps: every pair's image and tokens (by dataset index), and the step's order of the pairs."""
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(DATASET, 3, 32, 32, generator=g)
+    tokens = torch.randint(1, 49000, (DATASET, 16), generator=g)
+    return [(images, tokens, torch.randperm(DATASET, generator=g)) for _ in range(STEPS)]
+
+
+class StandIn:
+    """A loader the Trainer accepts; the micro-batches are fed to train_step by hand."""
+
+    dataset_size = num_samples = DATASET
+
+    def __init__(self, micro_batches: int) -> None:
+        self.num_batches = micro_batches  # one optimizer step an epoch
+
+    def set_epoch(self, epoch):
+        pass
+
+    def __iter__(self):
+        return iter(())
+
+
+def make_trainer(
+    out: Path,
+    loss: str,
+    micro: int,
+    accum: int,
+    contrastive: str = "global",
+    stage: int = 1,
+    patch_dropout: float = 0.5,
+    model: str = "test-vit-xs",
+) -> Trainer:
+    ds = json.loads(Path("ds_configs/zero1_fp32_lamb.json").read_text())
+    ds["zero_optimization"]["stage"] = stage
+    cfg = load_config(
+        "configs/toy.json",
+        [
+            f"model.name={model}",
+            f"model.patch_dropout={patch_dropout}",
+            *LOSSES[loss],
+            f"train.batch_size={micro}",
+            f"train.grad_accum_steps={accum}",
+            f"train.contrastive_batch={contrastive}",
+            f"train.steps={STEPS}",
+            f"train.output_dir={out}",
+            "optim.warmup_steps=0",
+            "eval.zeroshot_dir=null",
+            "eval.retrieval_shards=null",
+        ],
+    )
+    return Trainer(cfg, ds, loader=StandIn(accum))
+
+
+def run(trainer: Trainer, steps=None) -> dict:
+    """Feed every step's pairs (this rank's share, in micro-batches); return what the rank holds: the
+    engine's whole state (fp32 masters, both moments, the module's weights; the temperature's too), every
+    buffer, and its rows of the per-sample table."""
+    rank, world = trainer.rank, trainer.world_size
+    micro, accum = trainer.layout.micro_batch, trainer.layout.grad_accum_steps
+    losses = []
+    for epoch, (images, tokens, order) in enumerate(steps or step_pairs()):
+        trainer.epoch = epoch  # the samples' keys (their masks) and gamma follow the epoch
+        trainer.loss.set_epoch(epoch)
+        mine = order.reshape(world, -1)[rank]
+        for t in range(accum):
+            indices = mine[t * micro : (t + 1) * micro]
+            metrics = trainer.train_step(images[indices], tokens[indices], indices)
+            assert (metrics is None) == (t < accum - 1)  # one optimizer step per step's pairs
+        assert metrics["step_applied"] == 1.0
+        losses.append(metrics["loss"])
+        trainer.step += 1
+    state = getattr(trainer.loss, "state", None)
+    return {
+        "engine": full_state(trainer.engine),
+        "buffers": {k: v.detach().clone() for k, v in trainer.engine.module.named_buffers()},
+        "lo": None if state is None else state.lo,
+        "table": None if state is None else state.values.clone(),
+        "losses": losses,
+    }
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[-1])  # after the launcher's --local_rank=K
+    out.mkdir(parents=True, exist_ok=True)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    per_rank = DATASET // world
+    for loss, stage in LAUNCHED:
+        name = f"{loss}_zero{stage}"
+        trainer = make_trainer(out / f"{name}_run", loss, micro=per_rank // 4, accum=4, stage=stage)
+        torch.save(run(trainer), out / f"{name}_rank{rank}.pt")

@@ -1,0 +1,244 @@
+"""``train.contrastive_batch: global``: an optimizer step of K ranks x a micro-batches of b pairs is the step
+of one rank taking all G = a·b·K pairs in one micro-batch (engine/contrastive_step.py, docs/losses.md).
+
+Three levels:
+- the losses alone, in float64: a cached step over a micro-batches against one evaluation over all G pairs,
+  every loss, gradients of the weights and of the temperature and the per-sample table, over two epochs;
+- the real Trainer and DeepSpeed engine in fp32, 1 rank x 4 micro-batches of 8 against 1 rank x one
+  micro-batch of 32, 3 steps (each reads the state the one before committed), with 50% token masking, ZeRO
+  0/1/2, on the whole state: fp32 masters, both optimizer moments, the module's weights and buffers (the
+  temperature among the weights) and every field of the per-sample table;
+- a real 2-rank launch, 2 ranks x 4 micro-batches of 4, against the same one-rank step.
+And the converse: ``micro`` takes another step (its loss evaluations see 8 pairs, not 32).
+
+Tolerance. fp32 runs agree to 1e-4 of each tensor's norm. The layouts add the same terms in other orders
+(the matmuls of 8 against 32 rows, the gradient summed over 4 micro-batches and 2 ranks), each sum off by
+a few float32 ulps (1.2e-7 relative), compounded over 3 LAMB steps: measured here, every tensor within 2e-6
+of its norm but the attention's in_proj_bias, within 3e-5 (its key part gets no gradient but float noise,
+softmax ignoring a per-query constant, and LAMB's m/sqrt(v) scales that noise to whole steps). Another
+contrastive batch (the converse test) moves weights and moments by tenths of their norm and more (0.4 to 2
+on those tensors), the per-sample table by 0.3: thousands of times the tolerance.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import cached_step_ranks as layouts
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eva_fastclip.losses import build_loss
+
+RTOL = 1e-4  # of each tensor's norm (module docstring)
+
+
+# ---- the losses alone, float64 -----------------------------------------------------------------------
+
+LOSS_NAMES = ["openclip", "fastclip_v0", "fastclip_v1", "fastclip_v2", "fastclip_v3", "sogclr", "isogclr"]
+
+
+def _loss_run(name: str, cached: bool, tau_gradient: str | None = None, micro_batches: int = 4):
+    """Two steps (epochs 0 and 1) of a linear two-tower model over 16 pairs; gradients and table."""
+    g = torch.Generator().manual_seed(0)
+    n, d = 16, 8
+    x1, x2 = (
+        torch.randn(n, 6, generator=g, dtype=torch.float64),
+        torch.randn(n, 6, generator=g, dtype=torch.float64),
+    )
+    w1 = torch.randn(6, d, generator=g, dtype=torch.float64).requires_grad_()
+    w2 = torch.randn(6, d, generator=g, dtype=torch.float64).requires_grad_()
+    scale = torch.tensor([1 / 0.05], dtype=torch.float64, requires_grad=True)
+    indices = torch.randperm(40, generator=g)[:n]
+    options = {} if name == "openclip" else {"dataset_size": 40, "gamma_decay_epochs": 2}
+    if tau_gradient is not None:
+        options["tau_gradient"] = tau_gradient
+    loss = build_loss(name, **options).double()
+
+    def features(rows):
+        return F.normalize(x1[rows] @ w1, dim=-1), F.normalize(x2[rows] @ w2, dim=-1)
+
+    b = n // micro_batches
+    for epoch in range(2):
+        loss.set_epoch(epoch)
+        order = torch.randperm(n, generator=g)
+        if not cached:
+            loss(*features(order), scale, indices[order]).loss.backward()
+        else:
+            with torch.no_grad():
+                e1, e2 = features(order)
+            loss.begin_cached_step(e1, e2, scale.detach(), indices[order], micro_batch=b)
+            for m in range(micro_batches):  # the engine divides each micro-batch's loss by their number
+                rows = order[m * b : (m + 1) * b]
+                (loss.cached_forward(*features(rows), scale, m).loss / micro_batches).backward()
+            loss.end_cached_step()
+        loss.on_step_applied()
+    table = loss.state.values.clone() if hasattr(loss, "state") else None
+    return w1.grad, w2.grad, scale.grad, table
+
+
+@pytest.mark.parametrize(
+    "name, tau_gradient",
+    [(name, None) for name in LOSS_NAMES] + [("fastclip_v3", "exact"), ("fastclip_v3", "fastclip_code")],
+)
+def test_a_cached_step_is_one_evaluation_over_all_pairs(name, tau_gradient):
+    """4 micro-batches of 4 pairs, each against all 16 with its own live, give the gradients and the
+    per-sample state of one evaluation over the 16 (the float64 reference of test_compositional_exact.py
+    and test_openclip_loss.py), to float64 precision."""
+    whole = _loss_run(name, cached=False, tau_gradient=tau_gradient)
+    cached = _loss_run(name, cached=True, tau_gradient=tau_gradient)
+    for label, want, got in zip(("w1", "w2", "tau", "table"), whole, cached):
+        if want is None:
+            assert got is None, label
+            continue
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=label)
+    assert whole[0].abs().max() > 1e-3  # a gradient to compare
+
+
+def test_one_micro_batch_of_a_cached_step_is_the_plain_loss():
+    """``forward`` is the cached step of one micro-batch (the compositional losses), and a cached step
+    of the OpenCLIP loss over one micro-batch is its ``forward``."""
+    for name in ("openclip", "fastclip_v3"):
+        plain = _loss_run(name, cached=False)
+        one = _loss_run(name, cached=True, micro_batches=1)
+        for want, got in zip(plain, one):
+            if want is not None:
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+# ---- the Trainer and the engine, one process ---------------------------------------------------------
+
+
+def assert_same_state(got: dict, want: dict, label: str, tables: tuple | None = None) -> None:
+    """Every tensor of the engine (master, moments, module weight), every buffer and the per-sample
+    table within RTOL of its norm."""
+    pairs = [(f"{name}[{i}]", g, w) for name in want["engine"] for i, (g, w) in
+             enumerate(zip(got["engine"][name], want["engine"][name]))]  # fmt: skip
+    pairs += [(f"buffer {name}", got["buffers"][name], w) for name, w in want["buffers"].items()]
+    if want["table"] is not None:
+        pairs.append(("per-sample table", tables[0] if tables else got["table"], want["table"]))
+    for what, g, w in pairs:
+        g, w = g.double(), w.double()
+        finite = torch.isfinite(w)
+        assert torch.equal(finite, torch.isfinite(g)), f"{label}: {what} finite elsewhere"
+        error = (g[finite] - w[finite]).norm()
+        assert error <= RTOL * w[finite].norm() + 1e-12, (
+            f"{label}: {what} off by {error / w[finite].norm():.2e}"
+        )
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    """The largest difference of the module's weights, relative to each one's norm."""
+    return max(
+        ((a["engine"][name][3] - b["engine"][name][3]).norm() / b["engine"][name][3].norm()).item()
+        for name in b["engine"]
+    )
+
+
+@pytest.fixture(scope="module")
+def one_micro_batch(tmp_path_factory):
+    """The reference of every loss: 1 rank x one micro-batch of all 32 pairs (ZeRO-1, 50% masking)."""
+    tmp = tmp_path_factory.mktemp("one_micro_batch")
+    return {loss: layouts.run(layouts.make_trainer(tmp / loss, loss, 32, 1)) for loss in layouts.LOSSES}
+
+
+@pytest.mark.parametrize("loss", list(layouts.LOSSES))
+def test_four_micro_batches_take_the_step_of_one(loss, one_micro_batch, tmp_path):
+    got = layouts.run(layouts.make_trainer(tmp_path, loss, 8, 4))
+    assert_same_state(got, one_micro_batch[loss], f"{loss}: 1 rank x 4 x 8, global")
+    assert got["losses"] == pytest.approx(one_micro_batch[loss]["losses"], rel=1e-4)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("loss", ["fastclip_v3", "openclip"])
+def test_zero_stages_take_the_same_cached_step(loss, stage, one_micro_batch, tmp_path):
+    got = layouts.run(layouts.make_trainer(tmp_path, loss, 8, 4, stage=stage))
+    assert_same_state(got, one_micro_batch[loss], f"{loss}: ZeRO-{stage}, 1 rank x 4 x 8, global")
+
+
+@pytest.mark.parametrize("loss", ["fastclip_v3", "openclip"])
+def test_micro_takes_another_step(loss, one_micro_batch, tmp_path):
+    """The converse: with ``micro`` the same 4 micro-batches of 8 see 8 pairs each, and the step is not
+    the one-micro-batch step (OpenCLIP: another objective; the compositional losses: other g and u)."""
+    micro = layouts.run(layouts.make_trainer(tmp_path, loss, 8, 4, contrastive="micro"))
+    assert relative_difference(micro, one_micro_batch[loss]) > 0.1
+
+
+def test_batch_norm_statistics_move_once_per_micro_batch(tmp_path):
+    """RN towers: pass 1 runs BatchNorm in training mode and puts its running statistics back, so a
+    cached step leaves the statistics that micro accumulation leaves: each micro-batch's forward once."""
+    runs = {}
+    for mode in ("micro", "global"):
+        trainer = layouts.make_trainer(
+            tmp_path / mode, "openclip", 8, 4, contrastive=mode, model="test-rn-xs"
+        )
+        runs[mode] = layouts.run(trainer, layouts.step_pairs()[:1])["buffers"]
+    tracked = {k: v for k, v in runs["global"].items() if k.endswith("num_batches_tracked")}
+    assert tracked and all(int(v) == 4 for v in tracked.values())  # 4 forwards in the step, not 8
+    for name, value in runs["micro"].items():
+        torch.testing.assert_close(runs["global"][name], value, msg=name)
+
+
+# ---- a real 2-rank launch ------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Each configuration of cached_step_ranks.LAUNCHED on 2 ranks x 4 micro-batches of 4: rank states."""
+    out = tmp_path_factory.mktemp("two_ranks_global")
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONUNBUFFERED": "1"}
+    cmd = [str(bin_dir / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
+    proc = subprocess.run(
+        [*cmd, "tests/cached_step_ranks.py", str(out)],
+        cwd=Path(__file__).parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return {
+        f"{loss}_zero{stage}": [torch.load(out / f"{loss}_zero{stage}_rank{r}.pt") for r in range(2)]
+        for loss, stage in layouts.LAUNCHED
+    }
+
+
+@pytest.mark.parametrize("loss, stage", layouts.LAUNCHED, ids=lambda v: str(v))
+def test_two_ranks_take_the_step_of_one_rank_with_the_whole_batch(two_ranks, loss, stage, one_micro_batch):
+    """2 ranks x 4 micro-batches of 4 pairs, global, and 1 rank x one micro-batch of 32: the same weights,
+    moments, temperature and per-sample state after 3 steps, on both ranks (one optimizer step of the
+    mean gradient)."""
+    ranks = two_ranks[f"{loss}_zero{stage}"]
+    want = one_micro_batch[loss]
+    table = None
+    if want["table"] is not None:
+        table = (torch.cat([r["table"] for r in sorted(ranks, key=lambda r: r["lo"])]),)
+    for rank, got in enumerate(ranks):
+        assert_same_state(got, want, f"{loss} ZeRO-{stage}, rank {rank} of 2 x 4 x 4", tables=table)
+
+
+def test_the_launch_is_not_vacuous(two_ranks):
+    """Every sample's u was set by the 2-rank steps (each rank holds half of the table)."""
+    ranks = two_ranks["fastclip_v3_zero1"]
+    table = torch.cat([r["table"] for r in sorted(ranks, key=lambda r: r["lo"])])
+    assert table.shape[0] == layouts.DATASET and torch.isfinite(table).all()
+
+
+def test_the_start_up_log_states_the_contrastive_batch_and_the_memory_held(tmp_path, caplog):
+    with caplog.at_level("INFO", logger="eva_fastclip.engine.trainer"):
+        layouts.make_trainer(tmp_path, "fastclip_v3", 8, 4)
+    assert "each loss evaluation sees 32 pairs (the contrastive batch: the whole step's pairs" in caplog.text
+    # 2 x 32 pairs x 32 dims x 4 bytes of features; 32 float images of 3 x 32 x 32 from the stand-in loader
+    assert "holds the features of the step's 32 pairs (0.0 MiB) and its 32 images of the step (0.4 MiB)" in (
+        caplog.text
+    )
