@@ -112,7 +112,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=5, help="timed rounds (one step of each contestant each)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per contestant first")
     p.add_argument("--deepspeed-config", default="ds_configs/zero1_bf16_lamb.json", help="our engine's JSON")
-    p.add_argument("--output", default="runs/bench/speed.json", help="JSON file for all step times")
+    p.add_argument("--output", default=None, help="JSON file for all step times (default: runs/bench/)")
+    p.add_argument(
+        "--accumulate",
+        type=int,
+        default=None,
+        metavar="A",
+        help="instead: the global batch --batch-size in A micro-batches, micro and global contrastive batch "
+        "against one micro-batch and OpenCLIP's --accum-freq A step (time and peak memory)",
+    )
     p.set_defaults(func=cmd_bench_speed)
 
     p = sub.add_parser(
@@ -145,6 +153,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--batches", type=int, nargs="+", default=[64, 256], help="global batch sizes")
+    p.add_argument(
+        "--accumulate",
+        type=int,
+        nargs="+",
+        default=[1],
+        metavar="A",
+        help="micro-batches per step: 1 (one micro-batch of the batch), or A > 1 in every mode of "
+        "--contrastive-batches (e.g. --accumulate 1 4)",
+    )
+    p.add_argument(
+        "--contrastive-batches",
+        nargs="+",
+        default=["micro", "global"],
+        choices=["micro", "global"],
+        help="train.contrastive_batch of the accumulated runs",
+    )
     p.add_argument(
         "--variants",
         nargs="+",
@@ -364,13 +388,28 @@ def cmd_toy_data(args) -> int:
 def cmd_bench_speed(args) -> int:
     from eva_fastclip.bench import format_report, run_speed_benchmark
 
+    if args.accumulate is not None:
+        from eva_fastclip.bench.accumulation import format_accumulation_report, run_accumulation_benchmark
+
+        results = run_accumulation_benchmark(
+            model=args.model,
+            global_batch=args.batch_size,
+            accum=args.accumulate,
+            steps=args.steps,
+            warmup=args.warmup,
+            ds_config=args.deepspeed_config,
+            output=args.output or "runs/bench/accumulation.json",
+        )
+        print(format_accumulation_report(results), flush=True)
+        print(f"full results: {results['output']}", flush=True)
+        return 0
     results = run_speed_benchmark(
         model=args.model,
         batch_size=args.batch_size,
         steps=args.steps,
         warmup=args.warmup,
         ds_config=args.deepspeed_config,
-        output=args.output,
+        output=args.output or "runs/bench/speed.json",
     )
     print(format_report(results), flush=True)
     print(f"full results: {results['output']}", flush=True)
@@ -407,6 +446,9 @@ def cmd_bench_convergence(args) -> int:
         variants=args.variants,
         batches=tuple(args.batches),
         seeds=tuple(args.seeds),
+        layouts=tuple(
+            (a, mode) for a in args.accumulate for mode in (["micro"] if a == 1 else args.contrastive_batches)
+        ),
         epochs=args.epochs,
         model=args.model,
         image_size=args.image_size,

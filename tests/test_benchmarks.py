@@ -45,3 +45,30 @@ def test_lamb_benchmark_times_both_trust_ratio_rules(tmp_path):
     assert all(len(r["step_times_s"]) == 2 for r in results["contestants"].values())
     assert results["params"] == sum(g["size"] for g in groups)
     assert "per_tensor" in format_lamb_report(results)
+
+
+def test_accumulation_benchmark_runs_every_side_on_the_same_batch(tmp_path):
+    """bench-speed --accumulate: ours in one micro-batch, micro and global accumulation, and OpenCLIP's own
+    accum_freq step, masks 0 and 0.5; step times, losses and peaks recorded, the ratios formed."""
+    import math
+
+    from eva_fastclip.bench.accumulation import SIDES, format_accumulation_report, run_accumulation_benchmark
+
+    results = run_accumulation_benchmark(
+        model="test-vit-xs",
+        global_batch=8,
+        accum=2,
+        steps=2,
+        warmup=1,
+        output=tmp_path / "a.json",
+        progress=False,
+    )
+    assert (tmp_path / "a.json").is_file()
+    assert list(results["contestants"]) == [f"{side} mask={m:g}" for m in (0.0, 0.5) for side in SIDES]
+    for name, r in results["contestants"].items():
+        assert len(r["step_times_s"]) == 2 and len(r["losses"]) == 3 and r["peak_bytes"] > 0
+        assert all(math.isfinite(loss) for loss in r["losses"]), name
+        assert (r["deepspeed_bucket_bytes"] > 0) == name.startswith("ours")
+    assert len(results["ratios"]) == 12
+    report = format_accumulation_report(results)
+    assert "openclip accum" in report and "w/o DS bucket" in report

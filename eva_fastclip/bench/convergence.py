@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
+import itertools
 import json
 import logging
 import math
@@ -97,10 +98,13 @@ class RunSpec:
     num_train: int
     image_size: int
     recipe_version: int = RECIPE_VERSION
+    accumulate: int = 1  # micro-batches of batch / accumulate per optimizer step
+    contrastive: str = "micro"  # train.contrastive_batch, where accumulate > 1
 
     @property
     def name(self) -> str:
-        return f"{self.variant}-b{self.batch}-s{self.seed}"
+        layout = "" if self.accumulate == 1 else f"-a{self.accumulate}{self.contrastive}"
+        return f"{self.variant}-b{self.batch}{layout}-s{self.seed}"
 
     @property
     def steps_per_epoch(self) -> int:
@@ -117,7 +121,9 @@ class RunSpec:
             "eval.zeroshot_dir": str(data_dir / "zeroshot"),
             "eval.every_steps": steps * self.eval_every_epochs,
             "optim.warmup_steps": steps * self.warmup_epochs,
-            "train.batch_size": self.batch,
+            "train.batch_size": self.batch // self.accumulate,
+            "train.grad_accum_steps": self.accumulate,
+            "train.contrastive_batch": self.contrastive,
             "train.epochs": self.epochs,
             "train.seed": self.seed,
             "train.output_dir": str(run_dir),
@@ -126,12 +132,28 @@ class RunSpec:
         return [f"{key}={json.dumps(value)}" for key, value in values.items()]
 
 
-def plan_runs(variants: list[str], batches: list[int], seeds: list[int], **common: Any) -> list[RunSpec]:
-    """Seed-major order: an interrupted benchmark has whole seeds of every variant, not some variants."""
+def plan_runs(
+    variants: list[str],
+    batches: list[int],
+    seeds: list[int],
+    layouts: list[tuple[int, str]] = ((1, "micro"),),
+    **common: Any,
+) -> list[RunSpec]:
+    """Seed-major order: an interrupted benchmark has whole seeds of every variant, not some variants.
+    ``layouts``: (micro-batches a step, train.contrastive_batch) of each batch."""
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
-    return [RunSpec(variant=v, batch=b, seed=s, **common) for s in seeds for b in batches for v in variants]
+    for batch, (accumulate, _) in itertools.product(batches, layouts):
+        if batch % accumulate:
+            raise ValueError(f"batch {batch} does not split into {accumulate} micro-batches")
+    return [
+        RunSpec(variant=v, batch=b, seed=s, accumulate=a, contrastive=c, **common)
+        for s in seeds
+        for b in batches
+        for a, c in layouts
+        for v in variants
+    ]
 
 
 # ---- one run (in its own process) -----------------------------------------------------------------------
@@ -141,14 +163,23 @@ class MemoryLoader:
     """The training split decoded and tokenised once, held as tensors: what ``Trainer`` needs of a loader.
 
     Decoding and tokenising in the loop (``TrainLoader``) took more CPU than the tiny model's step. Each
-    epoch is a fresh permutation seeded by (seed, epoch), every sample once; each batch gets open_clip's
-    training crop (``RandomResizedCrop``, area 0.9-1, aspect 3/4-4/3), done on tensors by one grid_sample.
-    Indices and the per-sample table's size are read as ``TrainLoader`` reads them (``.json[index_key]``,
-    the shards' size records).
+    epoch is a fresh permutation seeded by (seed, epoch), every sample once; each optimizer step's pairs
+    get open_clip's training crop (``RandomResizedCrop``, area 0.9-1, aspect 3/4-4/3), done on tensors by
+    one grid_sample, and leave as ``micro_batches`` micro-batches of ``batch_size``: the same pairs and
+    crops however a step is split. Indices and the per-sample table's size are read as ``TrainLoader`` reads
+    them (``.json[index_key]``, the shards' size records).
     """
 
     def __init__(
-        self, source: Path, *, preprocess, tokenize, batch_size: int, seed: int, index_key: str = "key"
+        self,
+        source: Path,
+        *,
+        preprocess,
+        tokenize,
+        batch_size: int,
+        seed: int,
+        index_key: str = "key",
+        micro_batches: int = 1,
     ) -> None:
         import torch
         import webdataset as wds
@@ -185,7 +216,8 @@ class MemoryLoader:
         self.indices = torch.tensor(indices, dtype=torch.int64)
         self.dataset_size = sizes.index_size
         self.num_samples = len(indices)
-        self.num_batches = self.num_samples // batch_size
+        self.micro_batches = micro_batches
+        self.num_batches = self.num_samples // (batch_size * micro_batches) * micro_batches
         self.batch_size = batch_size
         self.seed = seed
         self.epoch = 0
@@ -198,9 +230,13 @@ class MemoryLoader:
 
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         order = torch.randperm(self.num_samples, generator=generator)
-        for start in range(0, self.num_batches * self.batch_size, self.batch_size):
-            batch = order[start : start + self.batch_size]
-            yield random_resized_crop(self.images[batch], generator), self.tokens[batch], self.indices[batch]
+        step, b = self.batch_size * self.micro_batches, self.batch_size
+        for start in range(0, self.num_batches * b, step):
+            pairs = order[start : start + step]
+            images = random_resized_crop(self.images[pairs], generator)
+            for t in range(self.micro_batches):
+                micro = pairs[t * b : (t + 1) * b]
+                yield images[t * b : (t + 1) * b], self.tokens[micro], self.indices[micro]
 
 
 def random_resized_crop(images, generator, scale=(0.9, 1.0), ratio=(3 / 4, 4 / 3)):
@@ -242,9 +278,10 @@ def run_one(spec: RunSpec, data_dir: Path, out_dir: Path, threads: int) -> dict[
         data_dir / "train",
         preprocess=bundle.preprocess_eval,  # the crop is the loader's: one resize to the model's size here
         tokenize=bundle.tokenizer,
-        batch_size=spec.batch,
+        batch_size=spec.batch // spec.accumulate,
         seed=spec.seed,
         index_key=cfg.data.index_key,
+        micro_batches=spec.accumulate,
     )
     trainer = Trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=loader)
     torch.set_num_threads(threads)  # the Trainer gives one rank all cores; parallel runs share them
@@ -339,6 +376,7 @@ def load_results(out_dir: Path, specs: list[RunSpec]) -> tuple[list[dict[str, An
             todo.append(spec)
             continue
         record = json.loads(path.read_text())
+        record["spec"] = {**_SPEC_DEFAULTS, **record["spec"]}  # from before a key existed: its default
         wanted = asdict(spec)
         if record["spec"] != wanted:
             keys = sorted(record["spec"].keys() | wanted.keys())
@@ -353,6 +391,9 @@ def load_results(out_dir: Path, specs: list[RunSpec]) -> tuple[list[dict[str, An
             )
         done.append(record)
     return done, todo
+
+
+_SPEC_DEFAULTS = {"accumulate": 1, "contrastive": "micro"}
 
 
 def mean_std(values: list[float]) -> tuple[float, float | None]:
@@ -371,12 +412,21 @@ def _fmt(mean: float, std: float | None) -> str:
     return f"{mean:.3f}" if std is None else f"{mean:.3f} ± {std:.3f}"
 
 
-def _by_cell(records: list[dict[str, Any]]) -> dict[tuple[int, str], dict[int, dict[str, Any]]]:
-    cells: dict[tuple[int, str], dict[int, dict[str, Any]]] = {}
+Layout = tuple[int, int, str]  # (global batch, micro-batches a step, contrastive batch): a table's "batch"
+
+
+def _by_cell(records: list[dict[str, Any]]) -> dict[tuple[Layout, str], dict[int, dict[str, Any]]]:
+    cells: dict[tuple[Layout, str], dict[int, dict[str, Any]]] = {}
     for record in records:
         spec = record["spec"]
-        cells.setdefault((spec["batch"], spec["variant"]), {})[spec["seed"]] = record
+        layout = (spec["batch"], spec.get("accumulate", 1), spec.get("contrastive", "micro"))
+        cells.setdefault((layout, spec["variant"]), {})[spec["seed"]] = record
     return cells
+
+
+def _label(layout: Layout) -> str:
+    batch, accumulate, contrastive = layout
+    return str(batch) if accumulate == 1 else f"{batch} = {accumulate} × {batch // accumulate}, {contrastive}"
 
 
 def results_table(records: list[dict[str, Any]]) -> str:
@@ -387,7 +437,7 @@ def results_table(records: list[dict[str, Any]]) -> str:
     for batch in sorted({b for b, _ in cells}):
         for variant in (v for v in VARIANTS if (batch, v) in cells):
             runs = list(cells[batch, variant].values())
-            row = [str(batch), VARIANTS[variant][0], str(len(runs))]
+            row = [_label(batch), VARIANTS[variant][0], str(len(runs))]
             row += [_fmt(*mean_std([r["final"][key] for r in runs])) for key in METRICS]
             taus = [r["curves"]["temperature"][-1] for r in runs if r["curves"].get("temperature")]
             row.append(f"{statistics.fmean(taus):.3f}" if taus else "—")
@@ -412,12 +462,41 @@ def paired_differences(records: list[dict[str, Any]], reference: str = REFERENCE
             seeds = sorted(set(ours) & set(cells[batch, variant]))
             if not seeds:
                 continue
-            row = [str(batch), VARIANTS[variant][0], str(len(seeds))]
+            row = [_label(batch), VARIANTS[variant][0], str(len(seeds))]
             for key in METRICS:
                 diffs = [ours[s]["final"][key] - cells[batch, variant][s]["final"][key] for s in seeds]
                 row.append(f"{_fmt(*mean_std(diffs))} ({verdict(diffs)})")
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def accumulation_differences(records: list[dict[str, Any]]) -> str:
+    """Each accumulated layout minus the same batch in one micro-batch, per loss, seed by seed: whether
+    the step's contrastive batch changes the result (docs/losses.md, Gradient accumulation)."""
+    cells = _by_cell(records)
+    header = [
+        "batch",
+        "loss",
+        "minus one micro-batch",
+        "seeds",
+        *(f"Δ {title}" for title in METRICS.values()),
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for (layout, variant), runs in sorted(
+        cells.items(), key=lambda c: (c[0][0], list(VARIANTS).index(c[0][1]))
+    ):
+        one = cells.get(((layout[0], 1, "micro"), variant))
+        if layout[1] == 1 or one is None:
+            continue
+        seeds = sorted(set(runs) & set(one))
+        if not seeds:
+            continue
+        row = [_label(layout), VARIANTS[variant][0], str(layout[0]), str(len(seeds))]
+        for key in METRICS:
+            diffs = [runs[s]["final"][key] - one[s]["final"][key] for s in seeds]
+            row.append(f"{_fmt(*mean_std(diffs))} ({verdict(diffs)})")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def verdict(diffs: list[float]) -> str:
@@ -474,7 +553,7 @@ def plot_curves(records: list[dict[str, Any]], path: Path, title: str = "") -> P
                 chance = records[0]["final"][CHANCE_KEYS[key]]
                 ax.axhline(chance, color="grey", ls="--", lw=1, label="chance")
                 ax.set_ylim(bottom=0)
-            ax.set_title(f"{METRICS.get(key, 'temperature τ')}, batch {batch}")
+            ax.set_title(f"{METRICS.get(key, 'temperature τ')}, batch {_label(batch)}")
             ax.set_xlabel("epoch")
             ax.grid(alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
@@ -525,6 +604,7 @@ def run_convergence_benchmark(
     variants: list[str] | None = None,
     batches: tuple[int, ...] = (64, 256),
     seeds: tuple[int, ...] = (0, 1, 2),
+    layouts: tuple[tuple[int, str], ...] = ((1, "micro"),),
     epochs: int = 30,
     model: str = DEFAULT_MODEL,
     image_size: int = 32,
@@ -541,6 +621,7 @@ def run_convergence_benchmark(
         list(variants or VARIANTS),
         sorted(batches),
         list(seeds),
+        list(layouts),
         epochs=epochs,
         model=model,
         eval_every_epochs=eval_every_epochs,
@@ -623,14 +704,16 @@ def format_report(
     jobs: int,
 ) -> str:
     spec = specs[0]
-    walls: dict[int, list[float]] = {}
-    cpus: dict[int, list[float]] = {}
+    walls: dict[Layout, list[float]] = {}
+    cpus: dict[Layout, list[float]] = {}
     for record in records:
-        walls.setdefault(record["spec"]["batch"], []).append(record["wall_s"])
-        cpus.setdefault(record["spec"]["batch"], []).append(record["cpu_s"])
+        spec = record["spec"]
+        layout = (spec["batch"], spec["accumulate"], spec["contrastive"])
+        walls.setdefault(layout, []).append(record["wall_s"])
+        cpus.setdefault(layout, []).append(record["cpu_s"])
     timing = "; ".join(
-        f"batch {b}: {statistics.fmean(walls[b]):.0f} s wall ({min(walls[b]):.0f}-{max(walls[b]):.0f}), "
-        f"{statistics.fmean(cpus[b]):.0f} s CPU"
+        f"batch {_label(b)}: {statistics.fmean(walls[b]):.0f} s wall "
+        f"({min(walls[b]):.0f}-{max(walls[b]):.0f}), {statistics.fmean(cpus[b]):.0f} s CPU"
         for b in sorted(walls)
     )
     classes = ", ".join(summary["classnames"])
@@ -657,6 +740,18 @@ for iSogCLR the median of the per-sample ones):
 standard deviation of the differences; ahead / behind: the 95% t-interval of the mean excludes 0:
 
 {paired_differences(records)}
-
+{_accumulation_section(records)}
 ![curves](curves.png)
+"""
+
+
+def _accumulation_section(records: list[dict[str, Any]]) -> str:
+    table = accumulation_differences(records)
+    if not table:
+        return ""
+    return f"""
+Each accumulated layout minus the same global batch in one micro-batch (the reference's step), per loss,
+seed by seed (same initialisation, data order and crops); ahead / behind: the 95% t-interval excludes 0:
+
+{table}
 """

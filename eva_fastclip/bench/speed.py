@@ -129,6 +129,40 @@ class OpenClipStep:
         pass
 
 
+def bench_trainer(
+    arch: str,
+    patch_dropout: float,
+    batch_size: int,
+    batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    output_dir: str,
+    ds_config_path: str = DEFAULT_DS_CONFIG,
+    extra: tuple[str, ...] = (),
+    micro_batches: int = 1,
+):
+    """A Trainer of the default recipe with OpenCLIP's loss, fed ``batch`` by a synthetic loader (an epoch
+    of ``micro_batches``: the caller feeds ``train_step`` itself)."""
+    from eva_fastclip.config import load_config
+    from eva_fastclip.engine.setup import load_deepspeed_config
+    from eva_fastclip.engine.trainer import Trainer
+
+    cfg = load_config(
+        None,
+        [
+            f"model.name={arch}",
+            f"model.patch_dropout={patch_dropout}",
+            "loss.name=openclip",  # the same loss as OpenCLIP's ClipLoss: the step is what we compare
+            f"train.batch_size={batch_size}",
+            "train.steps=1000000",
+            f"train.deepspeed_config={ds_config_path}",
+            f"train.output_dir={output_dir}",
+            "train.log_every_steps=1000000",
+            "eval.every_steps=0",  # and no zero-shot / retrieval sets: evaluation off
+            *extra,
+        ],
+    )
+    return Trainer(cfg, load_deepspeed_config(ds_config_path), loader=SyntheticLoader(batch, micro_batches))
+
+
 class OursStep:
     """Our ``Trainer.train_step``, on a Trainer built from the default recipe with a synthetic loader."""
 
@@ -141,25 +175,7 @@ class OursStep:
         output_dir: str,
         ds_config_path: str = DEFAULT_DS_CONFIG,
     ) -> None:
-        from eva_fastclip.config import load_config
-        from eva_fastclip.engine.setup import load_deepspeed_config
-        from eva_fastclip.engine.trainer import Trainer
-
-        cfg = load_config(
-            None,
-            [
-                f"model.name={arch}",
-                f"model.patch_dropout={patch_dropout}",
-                "loss.name=openclip",  # the same loss as OpenCLIP's ClipLoss: the step is what we compare
-                f"train.batch_size={batch_size}",
-                "train.steps=1000000",
-                f"train.deepspeed_config={ds_config_path}",
-                f"train.output_dir={output_dir}",
-                "train.log_every_steps=1000000",
-                "eval.every_steps=0",  # and no zero-shot / retrieval sets: evaluation off
-            ],
-        )
-        self.trainer = Trainer(cfg, load_deepspeed_config(ds_config_path), loader=SyntheticLoader(batch, 1))
+        self.trainer = bench_trainer(arch, patch_dropout, batch_size, batch, output_dir, ds_config_path)
         # phase timers around the engine's own backward and step (the trainer calls them by attribute)
         engine = self.trainer.engine
         self._marks: dict[str, float] = {}
@@ -200,6 +216,37 @@ def _synchronized_time() -> float:
 
 
 # ---- the run ------------------------------------------------------------------------------------------
+
+
+def time_interleaved(
+    contestants: dict[str, Any], batch, warmup: int, rounds: int, threads: int, progress: bool = True
+) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, dict[str, list[float]]]]:
+    """Warm every contestant up, then time ``rounds`` rounds of one ``step(*batch)`` each, the first one
+    rotating, so a slow phase of the machine hits all alike; per contestant its step times, losses and
+    phase times (where it reports ``phases``)."""
+    from tqdm import tqdm
+
+    # the Trainer sets the thread count from LOCAL_WORLD_SIZE: make sure every contestant runs with ours
+    torch.set_num_threads(threads)
+    order = list(contestants)
+    losses: dict[str, list[float]] = {name: [] for name in order}
+    for name, contestant in contestants.items():
+        for _ in range(warmup):
+            losses[name].append(contestant.step(*batch))
+    times: dict[str, list[float]] = {name: [] for name in order}
+    phases: dict[str, dict[str, list[float]]] = {name: {} for name in order}
+    for r in tqdm(range(rounds), desc="bench-speed", unit="round", disable=not progress):
+        for k in range(len(order)):
+            name = order[(r + k) % len(order)]  # rotate who goes first
+            if torch.get_num_threads() != threads:
+                raise RuntimeError(f"torch thread count changed to {torch.get_num_threads()} mid-run")
+            start = time.perf_counter()
+            loss = contestants[name].step(*batch)
+            times[name].append(time.perf_counter() - start)
+            losses[name].append(loss)
+            for phase, seconds in getattr(contestants[name], "phases", {}).items():
+                phases[name].setdefault(phase, []).append(seconds)
+    return times, losses, phases
 
 
 def cpu_model() -> str:
@@ -243,7 +290,6 @@ def run_speed_benchmark(
     """Build the four contestants, warm them up, time ``steps`` interleaved rounds; return (and write) the
     results."""
     import open_clip
-    from tqdm import tqdm
 
     import eva_fastclip.models  # noqa: F401  (registers the shipped toy architectures with open_clip)
 
@@ -281,28 +327,7 @@ def run_speed_benchmark(
         order = [contestant_name(side, mask) for mask in MASKS for side in ("ours", "openclip")]
         contestants = {name: contestants[name] for name in order}
 
-        # the Trainer sets the thread count from LOCAL_WORLD_SIZE: make sure every contestant runs with ours
-        torch.set_num_threads(threads)
-
-        losses: dict[str, list[float]] = {name: [] for name in order}
-        for name, contestant in contestants.items():
-            for _ in range(warmup):
-                losses[name].append(contestant.step(*batch))
-
-        times: dict[str, list[float]] = {name: [] for name in order}
-        phases: dict[str, dict[str, list[float]]] = {name: {} for name in order}
-        rounds = tqdm(range(steps), desc="bench-speed", unit="round", disable=not progress)
-        for r in rounds:
-            for k in range(len(order)):
-                name = order[(r + k) % len(order)]  # rotate who goes first
-                if torch.get_num_threads() != threads:
-                    raise RuntimeError(f"torch thread count changed to {torch.get_num_threads()} mid-run")
-                start = time.perf_counter()
-                loss = contestants[name].step(*batch)
-                times[name].append(time.perf_counter() - start)
-                losses[name].append(loss)
-                for phase, seconds in contestants[name].phases.items():
-                    phases[name].setdefault(phase, []).append(seconds)
+        times, losses, phases = time_interleaved(contestants, batch, warmup, steps, threads, progress)
         for contestant in contestants.values():
             contestant.close()
 
