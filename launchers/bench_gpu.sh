@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The training-step benchmark of docs/benchmarks.md on one GPU: our DeepSpeed step (LAMB, then AdamW) against
-# OpenCLIP's own step, at a batch a GPU is meant for; then (BENCH_DATA=0 skips it) bench-data with --device
+# OpenCLIP's own step, at a batch a GPU is meant for; then (BENCH_ACCUM=0 skips it) the cost of the contrastive
+# batch: the global batch ACCUM_BATCH in 4 micro-batches, micro and global (cached) accumulation against one
+# micro-batch and OpenCLIP's own --accum-freq 4 step; then (BENCH_DATA=0 skips it) bench-data with --device
 # cuda: both loaders feeding the GPU, and ours with the JPEGs decoded there (data.image_decode=gpu).
 # Run from the repository root:
 #   bash launchers/bench_gpu.sh                 # MODEL=ViT-B-16 BATCH=128 STEPS=20 by default
@@ -22,6 +24,12 @@ for optim in lamb adamw; do
     --output "$out/speed_${optim}_gpu.json" > "$out/speed_${optim}_gpu.log" 2>&1 || { tail -40 "$out/speed_${optim}_gpu.log"; exit 1; }
 done
 for optim in lamb adamw; do echo "== ds_configs/zero1_bf16_${optim}.json"; tail -11 "$out/speed_${optim}_gpu.log"; done
+if [ "${BENCH_ACCUM:-1}" = 1 ]; then
+  python3 -m eva_fastclip bench-speed --accumulate 4 --model "${MODEL:-ViT-B-16}" --batch-size "${ACCUM_BATCH:-512}" \
+    --steps "${ACCUM_STEPS:-10}" --warmup 2 --output "$out/accumulation_gpu.json" > "$out/accumulation_gpu.log" 2>&1 \
+    || { tail -40 "$out/accumulation_gpu.log"; exit 1; }
+  echo "== bench-speed --accumulate 4"; tail -16 "$out/accumulation_gpu.log"
+fi
 if [ "${BENCH_DATA:-1}" = 1 ]; then
   # writes its photo shards first (data/bench_loader); needs scikit-learn (the photos) and open_clip_train
   if python3 -c "import sklearn, open_clip_train" 2>/dev/null; then

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from engine_state import full_state
 
+__all__ = ["full_state"]  # (tests read the engine's state through this module)
+
 from eva_fastclip.config import load_config
 from eva_fastclip.engine.trainer import Trainer
 

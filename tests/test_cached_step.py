@@ -159,6 +159,46 @@ def test_zero_stages_take_the_same_cached_step(loss, stage, one_micro_batch, tmp
     assert_same_state(got, one_micro_batch[loss], f"{loss}: ZeRO-{stage}, 1 rank x 4 x 8, global")
 
 
+def test_an_eva_tower_takes_the_step_of_one_micro_batch(tmp_path):
+    """A timm EVA trunk (its masks drop RoPE rows too: PatchDropoutWithIndices), 50% masking."""
+    runs = [
+        layouts.run(
+            layouts.make_trainer(
+                tmp_path / str(micro), "fastclip_v3", micro, 32 // micro, model="test-eva02-xs"
+            )
+        )
+        for micro in (32, 8)
+    ]
+    assert_same_state(runs[1], runs[0], "test-eva02-xs: 1 rank x 4 x 8, global")
+
+
+def test_a_non_finite_step_leaves_no_trace(tmp_path):
+    """A NaN image in the third micro-batch of a cached step: ZeRO-1 skips the step, and the per-sample
+    state staged once for all 32 pairs is dropped with it; the weights and the table stay as step 1 left
+    them, and the next step trains on."""
+
+    def feed(epoch, images, tokens, order):  # one step of 4 micro-batches of 8
+        trainer.epoch = epoch
+        trainer.loss.set_epoch(epoch)
+        for rows in order.reshape(4, 8):
+            metrics = trainer.train_step(images[rows], tokens[rows], rows)
+        return metrics
+
+    trainer = layouts.make_trainer(tmp_path, "fastclip_v3", 8, 4)
+    first, (images, tokens, order), third = layouts.step_pairs()
+    assert feed(0, *first)["step_applied"] == 1.0
+    table, weights = trainer.loss.state.values.clone(), layouts.full_state(trainer.engine)
+    images = images.clone()
+    images[order[16]] = float("nan")
+    metrics = feed(1, images, tokens, order)
+    assert metrics["step_applied"] == 0.0 and metrics["loss_finite"] == 0.0
+    assert torch.equal(trainer.loss.state.values, table)
+    for name, tensors in layouts.full_state(trainer.engine).items():
+        assert all(torch.equal(a, b) for a, b in zip(tensors, weights[name])), name
+    assert feed(2, *third)["step_applied"] == 1.0
+    assert not torch.equal(trainer.loss.state.values, table)
+
+
 @pytest.mark.parametrize("loss", ["fastclip_v3", "openclip"])
 def test_micro_takes_another_step(loss, one_micro_batch, tmp_path):
     """The converse: with ``micro`` the same 4 micro-batches of 8 see 8 pairs each, and the step is not

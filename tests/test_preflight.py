@@ -239,6 +239,15 @@ def test_two_pairs_across_ranks_are_enough(toy, tmp_path):
     assert check(toy, tmp_path, "train.batch_size=1", "loss.name=fastclip_v3", world_size=2).errors == []
 
 
+def test_one_pair_a_forward_is_enough_when_the_loss_sees_the_whole_step(toy, tmp_path):
+    """Micro-batches of 1 on 1 rank: each loss evaluation of micro accumulation sees one pair (refused,
+    naming the global mode), of global accumulation the step's 4."""
+    sets = ["train.batch_size=1", "train.grad_accum_steps=4", "loss.name=fastclip_v3"]
+    (error,) = check(toy, tmp_path, *sets).errors
+    assert error.key == "train.batch_size" and "train.contrastive_batch=global" in error.message
+    assert check(toy, tmp_path, *sets, "train.contrastive_batch=global").errors == []
+
+
 def test_zeroshot_dir_pointing_nowhere_stops_train_before_step_1(toy, tmp_path, capsys):
     """It used to be found after the last step and the final save."""
     argv = ["train", "--config", "configs/toy.json"]

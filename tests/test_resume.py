@@ -2,9 +2,10 @@
 resumes on another number of ranks through DeepSpeed's universal checkpoint; the data stream, the lr
 schedule and gamma's horizon continue as the run would have.
 
-The launcher tests share eight launches (module fixtures), tiny model, fp32 on CPU, 2 loader workers per
-rank: per number of ranks an uninterrupted run, a run killed right after its step-3 checkpoint and its
-resume; and the step-3 checkpoints of those killed runs resumed on the other number of ranks.
+The launcher tests share eleven launches (module fixtures), tiny model, fp32 on CPU, 2 loader workers per
+rank: per layout (1 rank, 2 ranks, 2 ranks with ``train.contrastive_batch=global``) an uninterrupted run, a
+run killed right after its step-3 checkpoint and its resume; and the step-3 checkpoints of the first two's
+killed runs resumed on the other number of ranks.
 """
 
 import json
@@ -283,6 +284,7 @@ def test_a_resumed_run_trains_with_the_optimizer_settings_it_is_given(six_steps,
         ("model.name=toy-vit-t", "model.name", '"test-vit-xs"'),
         ("loss.name=fastclip_v1", "loss.name", '"fastclip_v3"'),
         ("train.deepspeed_config=ds_configs/zero1_adamw.json", "deepspeed.optimizer.type", '"Lamb"'),
+        ("train.contrastive_batch=global", "train.contrastive_batch", '"micro"'),
     ],
 )
 def test_a_key_that_cannot_change_on_resume_stops_before_step_1(six_steps, tmp_path, override, key, saved):
@@ -494,10 +496,12 @@ def launch(
     return text
 
 
-def run_args(data: Path, out: Path, ranks: int, steps: int = STEPS, extra=()) -> list[str]:
+def run_args(
+    data: Path, out: Path, ranks: int, steps: int = STEPS, extra=(), micro: int = MICRO
+) -> list[str]:
     sets = [
         "model.name=test-vit-xs",
-        "model.patch_dropout=0.5",  # the masks draw from torch's generator: restored per rank
+        "model.patch_dropout=0.5",  # each sample's mask from its key: the same after the resume
         "loss.name=fastclip_v3",  # per-sample state, the temperature controller, gamma's schedule
         f'data.train_shards=["{data / "train"}"]',
         "data.workers=2",
@@ -506,8 +510,8 @@ def run_args(data: Path, out: Path, ranks: int, steps: int = STEPS, extra=()) ->
         "eval.zeroshot_dir=null",
         "eval.retrieval_shards=null",
         "train.precision=fp32",
-        f"train.batch_size={MICRO}",
-        f"train.grad_accum_steps={GLOBAL // MICRO // ranks}",
+        f"train.batch_size={micro}",
+        f"train.grad_accum_steps={GLOBAL // micro // ranks}",
         f"train.steps={steps}",
         f"train.save_every_steps={KILL_AFTER}",
         "train.keep_checkpoints=3",
@@ -529,22 +533,30 @@ def data(tmp_path_factory):
     return root
 
 
+#: the runs' layouts: number of ranks -> (ranks, micro-batch, extra settings); "2-global": 2 ranks x 2
+#: micro-batches of 4 with the contrastive batch of the whole step (a cached step)
+LAYOUTS = {1: (1, MICRO, ()), 2: (2, MICRO, ()), "2-global": (2, 4, ("train.contrastive_batch=global",))}
+
+
 @pytest.fixture(scope="module")
 def runs(data, tmp_path_factory):
-    """Per number of ranks: an uninterrupted run, a run killed right after its step-3 checkpoint, and
-    that run resumed with --resume latest."""
+    """Per layout: an uninterrupted run, a run killed right after its step-3 checkpoint, and that run
+    resumed with --resume latest."""
     result = {}
-    for ranks in (1, 2):
-        tmp = tmp_path_factory.mktemp(f"resume_{ranks}ranks")
-        whole = launch(ranks, run_args(data, tmp / "whole", ranks), tmp / "whole.log")
+    for name, (ranks, micro, extra) in LAYOUTS.items():
+        tmp = tmp_path_factory.mktemp(f"resume_{name}ranks")
+
+        def args(out, ranks=ranks, extra=extra, micro=micro):
+            return run_args(data, out, ranks, extra=extra, micro=micro)
+
+        whole = launch(ranks, args(tmp / "whole"), tmp / "whole.log")
         marker = tmp / "killed" / "checkpoints" / checkpoint.tag_for_step(KILL_AFTER) / checkpoint.MARKER
-        launch(ranks, run_args(data, tmp / "killed", ranks), tmp / "killed.log", kill_once=marker)
+        launch(ranks, args(tmp / "killed"), tmp / "killed.log", kill_once=marker)
         killed_log = step_log(tmp / "killed")
         step3 = tmp / "step3" / marker.parent.name  # kept for the other number of ranks
         shutil.copytree(marker.parent, step3)
-        args = [*run_args(data, tmp / "killed", ranks), "--resume", "latest"]
-        resumed = launch(ranks, args, tmp / "resumed.log")
-        result[ranks] = {"tmp": tmp, "logs": (whole, resumed), "killed_log": killed_log, "step3": step3}
+        resumed = launch(ranks, [*args(tmp / "killed"), "--resume", "latest"], tmp / "resumed.log")
+        result[name] = {"tmp": tmp, "logs": (whole, resumed), "killed_log": killed_log, "step3": step3}
     return result
 
 
@@ -576,7 +588,7 @@ def converted(runs, data):
 
 
 @pytest.mark.launcher
-@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("ranks", list(LAYOUTS))
 def test_a_killed_run_resumes_exactly(runs, ranks):
     tmp = runs[ranks]["tmp"]
     assert f"resumed from {tmp / 'killed' / 'checkpoints'}" in runs[ranks]["logs"][1]

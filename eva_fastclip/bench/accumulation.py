@@ -109,7 +109,7 @@ class OpenClipAccumulated(OpenClipStep):
 
         def loss(**inputs):  # ClipLoss, its value noted: train_one_epoch returns nothing
             out = self.loss(**inputs)
-            values.append(float(sum(out.values())))
+            values.append(float(sum(v.detach() for v in out.values())))
             return out
 
         train_one_epoch(self.model, {"train": loader}, loss, 0, self.optimizer, None, None, None, self.args)

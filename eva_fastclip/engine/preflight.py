@@ -184,7 +184,7 @@ def check_schedule(
                 f"{fix}",
             )
         ]
-    pairs = layout.samples_per_forward
+    pairs = layout.contrastive_batch
     if pairs < 2:
         # one pair has no negatives: OpenCLIP's loss is 0, the global contrastive loss is undefined
         key = "train.max_micro_batch" if by_global else "train.batch_size"
@@ -193,7 +193,8 @@ def check_schedule(
                 key,
                 f"each loss evaluation sees a micro-batch of {micro} x {world_size} rank(s) = {pairs} pair "
                 f"({layout.source}), and a contrastive loss needs at least 2 (each anchor's negatives are "
-                f"the other pairs): raise {key}",
+                f"the other pairs): raise {key}, or set train.contrastive_batch=global (every pair of the "
+                "step)",
             )
         ]
     problems = []

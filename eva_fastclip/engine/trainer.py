@@ -3,8 +3,9 @@
 Set-up order: config (validated before we get here) → seed → pre-flight checks of paths (rank 0,
 engine/preflight.py) → process group → the checkpoint to resume (its conversion for another number of
 ranks, the accumulation that keeps its global batch) → model (temperature controller, kernels) → data →
-its schedule checks → loss → precision and DeepSpeed JSON → engine → resume (the RNG states last) →
-TensorBoard writer and step log. One "step" is one optimizer step (``train.grad_accum_steps``
+its schedule checks → loss → precision and DeepSpeed JSON → engine → the step's loss evaluations
+(engine/contrastive_step.py: per micro-batch, or cached over the whole step) → resume (the RNG states last)
+→ TensorBoard writer and step log. One "step" is one optimizer step (``train.grad_accum_steps``
 micro-batches).
 
 The loop stops after ``train.max_skipped_steps`` steps in a row that DeepSpeed skipped or whose loss was
