@@ -199,6 +199,66 @@ def test_a_non_finite_step_leaves_no_trace(tmp_path):
     assert not torch.equal(trainer.loss.state.values, table)
 
 
+def test_pass_two_replays_the_random_draws_of_pass_one():
+    """A tower with dropout (a Hugging Face text tower's default): pass 2 of every micro-batch computes
+    exactly the features pass 1 cached, its dropout draws replayed (the loss is handed both)."""
+    from eva_fastclip.engine.contrastive_step import CachedStep, MicroBatch
+    from eva_fastclip.losses import build_loss
+
+    class Towers(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.image, self.text = torch.nn.Linear(6, 4), torch.nn.Linear(6, 4)
+            self.drop = torch.nn.Dropout(0.5)
+            self.logit_scale = torch.nn.Parameter(torch.tensor([1 / 0.07]))
+
+        def forward(self, images, tokens):
+            e1 = torch.nn.functional.normalize(self.drop(self.image(images)), dim=-1)
+            return e1, torch.nn.functional.normalize(self.drop(self.text(tokens)), dim=-1), self.logit_scale
+
+    class Engine:  # what CachedStep asks of DeepSpeed's engine
+        def __init__(self, module):
+            self.module = module
+
+        def __call__(self, *inputs):
+            return self.module(*inputs)
+
+        def backward(self, loss):
+            (loss / 4).backward()
+
+        def step(self):
+            pass
+
+    loss = build_loss("fastclip_v1", dataset_size=16, gamma_decay_epochs=1)
+    seen = []
+    real = loss.cached_forward
+
+    def cached_forward(e1, e2, scale, micro):  # the live features against those pass 1 cached
+        offset = micro * 4
+        seen.append(torch.equal(e1, loss._cached.e1_all[offset : offset + 4]))
+        seen.append(torch.equal(e2, loss._cached.e2_all[offset : offset + 4]))
+        return real(e1, e2, scale, micro)
+
+    loss.cached_forward = cached_forward
+    step = CachedStep(Engine(Towers().train()), loss, lambda images: images, micro_batches=4)
+    g = torch.Generator().manual_seed(0)
+    for t in range(4):
+        rows = torch.arange(t * 4, t * 4 + 4)
+        outs, done = step.add(
+            MicroBatch(torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g), rows, rows)
+        )
+    assert done and len(outs) == 4 and seen == [True] * 8
+
+
+def test_one_micro_batch_a_step_takes_the_plain_step(tmp_path, caplog):
+    """Without accumulation both modes see the whole step: global adds no pass and holds nothing."""
+    from eva_fastclip.engine.contrastive_step import MicroBatchStep
+
+    with caplog.at_level("INFO", logger="eva_fastclip.engine.trainer"):
+        trainer = layouts.make_trainer(tmp_path, "fastclip_v3", 32, 1)
+    assert isinstance(trainer.contrastive_step, MicroBatchStep) and "holds the features" not in caplog.text
+
+
 @pytest.mark.parametrize("loss", ["fastclip_v3", "openclip"])
 def test_micro_takes_another_step(loss, one_micro_batch, tmp_path):
     """The converse: with ``micro`` the same 4 micro-batches of 8 see 8 pairs each, and the step is not

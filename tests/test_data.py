@@ -322,6 +322,28 @@ def test_train_order_depends_on_seed_and_epoch_only(tmp_path, tokenize):
     assert set(epoch_indices(0, rank=0, world_size=2)) != set(epoch_indices(1, rank=0, world_size=2))
 
 
+def test_an_epoch_is_whole_optimizer_steps(tmp_path, tokenize):
+    """34 samples, micro-batches of 2 on 2 ranks, 3 a step: 8 micro-batches would fit each rank, but the
+    epoch takes 2 whole steps (6 a rank, 24 samples): no step spans two epochs."""
+    shards = make_indexed_shards(tmp_path, count=34, per_shard=17)
+    loaders = [
+        TrainLoader(
+            [str(shards)],
+            preprocess=PREPROCESS,
+            tokenize=tokenize,
+            batch_size=2,
+            rank=r,
+            world_size=2,
+            workers=0,
+            accumulation=3,
+        )  # fmt: skip
+        for r in (0, 1)
+    ]
+    assert [loader.num_batches for loader in loaders] == [6, 6]
+    drawn = [index for loader in loaders for _, _, indices, _ in loader for index in indices.tolist()]
+    assert len(drawn) == len(set(drawn)) == 24
+
+
 def test_train_resampled_weights_mix_sources(tmp_path, tokenize):
     source_a = make_indexed_shards(tmp_path / "a", count=16, per_shard=4)
     source_b = tmp_path / "b"

@@ -100,3 +100,27 @@ def test_keys_follow_the_seed_the_epoch_and_the_sample():
         == 5
     )
     assert keys_for_indices(0, 0, torch.tensor([17, 18])).tolist() == [base, sample_key(0, 0, 18)]
+
+
+def test_every_kind_of_patch_dropout_is_keyed():
+    """open_clip's, timm's PatchDropout (its ViT trunks) and PatchDropoutWithIndices (EVA): each found,
+    keyed in place, and its kept tokens (the prefix token first) those of ``keep_indices``."""
+    from open_clip.transformer import PatchDropout
+    from timm.layers.patch_dropout import PatchDropout as TimmPatchDropout
+    from timm.layers.patch_dropout import PatchDropoutWithIndices
+    from torch import nn
+
+    from eva_fastclip.models.masking import key_patch_dropout, set_patch_dropout
+
+    model = nn.Sequential(PatchDropout(0.5), TimmPatchDropout(0.5), PatchDropoutWithIndices(0.5)).train()
+    assert key_patch_dropout(model) == 3 and set_patch_dropout(model, 0.25) == 3
+    x = torch.arange(2 * 9, dtype=torch.float32).reshape(2, 9, 1)  # token t of sample b holds 9b + t
+    keys = torch.tensor([11, 12])
+    want = keep_indices(keys, 8, 0.25) + 1  # after the class token
+    with keyed_masks(model, keys):
+        outputs = [model[0](x), model[1](x), model[2](x)[0]]
+    for out in outputs:
+        assert out.shape == (2, 7, 1) and torch.equal(out[:, 0, 0], x[:, 0, 0])
+        assert torch.equal(
+            out[:, 1:, 0].sort().values, (want + torch.tensor([[0], [9]])).sort().values.float()
+        )

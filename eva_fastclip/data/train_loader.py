@@ -77,7 +77,8 @@ class TrainLoader:
     they only read each JPEG's header and draw its crop, and the batch is a list that :meth:`to_device`
     decodes there (nvjpeg on a GPU). Any other ``preprocess`` runs in the workers as given, float out.
 
-    Every rank yields exactly ``num_batches`` full batches per epoch. ``indices`` are the samples' stable
+    Every rank yields exactly ``num_batches`` full batches per epoch, a multiple of ``accumulation`` (the
+    micro-batches of an optimizer step: an epoch is whole steps). ``indices`` are the samples' stable
     dataset indices, read from ``.json[index_key]`` (an integer or a string of digits). Call
     :meth:`set_epoch` before iterating each epoch.
 
@@ -110,6 +111,7 @@ class TrainLoader:
         sizes: DataSizes | None = None,
         decode_device: torch.device | str | None = None,
         pin_memory: bool = False,
+        accumulation: int = 1,
     ) -> None:
         if isinstance(sources, str):
             sources = [sources]
@@ -119,10 +121,11 @@ class TrainLoader:
             or not 0 <= rank < world_size
             or workers < 0
             or shuffle_buffer < 0
+            or accumulation < 1
         ):
             raise ValueError(
                 f"invalid loader settings: batch_size={batch_size}, rank={rank}, world_size={world_size}, "
-                f"workers={workers}, shuffle_buffer={shuffle_buffer}"
+                f"workers={workers}, shuffle_buffer={shuffle_buffer}, accumulation={accumulation}"
             )
         self.preprocess = preprocess
         self.image_transform = TrainImageTransform.from_preprocess(preprocess)
@@ -181,10 +184,13 @@ class TrainLoader:
                 if self.dataset_size is None
                 else f"{self.dataset_size} rows (from {self.sizes.index_size_from})",
             )
-        self.num_batches = num_samples // (batch_size * world_size)
+        # whole optimizer steps: a step never spans two epochs (nor takes a sample twice at their seam)
+        step = batch_size * world_size * accumulation
+        self.num_batches = num_samples // step * accumulation
         if self.num_batches < 1:
+            per_step = f" x {accumulation} a step" if accumulation > 1 else ""
             raise ValueError(
-                f"{num_samples} samples per epoch do not fill one batch of {batch_size} on each of "
+                f"{num_samples} samples per epoch do not fill one batch of {batch_size}{per_step} on each of "
                 f"{world_size} ranks; lower the batch size or raise data.num_samples"
             )
         self._tiling = Tiling(world_size, workers, batch_size, self.num_batches)
@@ -492,11 +498,11 @@ class TrainLoader:
 
     def _sample_key(self, sample: dict[str, Any], index: int, position: tuple) -> int:
         """The key (data/sample_keys.py) that seeds the sample's crop here and its token mask in the
-        model: the sample is its dataset index, else its shard and key; its occurrence is the pass of the
+        model: the sample is its dataset index, else its shard's URL and key; its occurrence is the pass of the
         epoch's plan (a top-up draws it again). A resampled stream draws samples with replacement and
         depends on the layout anyway: there the draw's place in its stream is the occurrence."""
         worker, stream, taken = position[:3]
-        sample_id = index if index >= 0 else f"{os.path.basename(sample['__url__'])}/{sample['__key__']}"
+        sample_id = index if index >= 0 else f"{sample['__url__']}/{sample['__key__']}"
         occurrence = f"{self.rank}:{worker}:{self._offset}:{taken}" if self.resampled else stream.pass_number
         return sample_key(self.seed, self.epoch, sample_id, occurrence)
 

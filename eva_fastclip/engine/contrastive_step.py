@@ -6,16 +6,18 @@
   the ranks (c = b·K pairs), ``engine.backward``, ``engine.step``; DeepSpeed steps the optimizer at the
   accumulation boundary.
 - ``global`` (:class:`CachedStep`): the optimizer step of K ranks × a micro-batches of b pairs is the step
-  of one rank taking all G = a·b·K pairs in one micro-batch. The step's micro-batches are held (their
-  images on the device, uint8 as the loader hands them) until the last one arrives; then
-    1. every micro-batch goes forward without autograd: the features of this rank's a·b pairs;
-    2. the loss takes them, gathers every rank's (G pairs) and stages the per-sample state once
-       (``begin_cached_step``);
+  of one rank taking all G = a·b·K pairs in one micro-batch:
+    1. every micro-batch goes forward without autograd as it arrives: the features of this rank's a·b
+       pairs; the micro-batches are held (their images on the device, uint8 as the loader hands them);
+    2. once the last has arrived, the loss takes the features, gathers every rank's (G pairs) and stages
+       the per-sample state once (``begin_cached_step``);
     3. every micro-batch goes forward again with autograd and backpropagates its loss against all G
        pairs, its own live (``cached_forward``): the engine's mean over ranks and micro-batches is the
        gradient over G, with no feature gradient sent between ranks.
-  Both passes mask a sample's tokens alike (its mask comes from its key: models/masking.py), so the step is
-  exact up to the order of float sums. Batch-dependent layers are the exception: BatchNorm (RN towers)
+  Both passes mask a sample's tokens alike (its mask comes from its key: models/masking.py), and pass 2
+  replays each micro-batch's random draws of pass 1 (the generators' states, as GradCache's RandContext
+  does: dropout, drop-path), so pass 2 computes exactly the features pass 1 cached and the step is exact
+  up to the order of float sums. Batch-dependent layers are the exception: BatchNorm (RN towers)
   normalises over each micro-batch of b, as the reference's towers do over each GPU's batch of b (no
   SyncBN), and its running statistics are put back after pass 1, so they are updated once per
   micro-batch, as without caching. The cost: pass 1 (a forward without autograd) and the features of G
@@ -104,31 +106,37 @@ class MicroBatchStep:
 
 
 class CachedStep:
-    """``train.contrastive_batch: global``: one loss evaluation over the whole optimizer step."""
+    """``train.contrastive_batch: global``: one loss evaluation over the whole optimizer step. Pass 1 runs
+    each micro-batch as it arrives (the loader's next batches load meanwhile), pass 2 once the last one
+    has."""
 
     def __init__(self, engine, loss: ContrastiveLoss, model_input: ModelInput, micro_batches: int) -> None:
         self.engine, self.loss, self.model_input = engine, loss, model_input
         self.micro_batches = micro_batches
         self._running_stats = running_statistics(engine.module)
+        self._saved_stats: list[torch.Tensor] = []
         self._held: list[MicroBatch] = []
+        self._features: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._rng: list[tuple] = []  # the generators' states before each pass-1 forward
 
     def add(self, batch: MicroBatch) -> tuple[list[LossOutput], bool]:
+        engine = self.engine
+        if not self._held:  # the step's first micro-batch: pass 1 must leave BatchNorm's statistics alone
+            self._saved_stats = [buffer.clone() for buffer in self._running_stats]
+        self._rng.append(_rng_state(batch.images.device))
+        with torch.no_grad(), keyed_masks(engine.module, batch.keys):  # pass 1: this micro-batch's features
+            self._features.append(_forward(engine, self.model_input, batch))
         self._held.append(batch)
         if len(self._held) < self.micro_batches:
             return [], False
-        held, self._held = self._held, []
-        return self._step(held), True
-
-    def _step(self, held: list[MicroBatch]) -> list[LossOutput]:
-        engine, loss = self.engine, self.loss
-        saved = [buffer.clone() for buffer in self._running_stats]
-        features = []
-        with torch.no_grad():  # pass 1: the features of this rank's pairs of the step
-            for batch in held:
-                with keyed_masks(engine.module, batch.keys):
-                    features.append(_forward(engine, self.model_input, batch))
-        for buffer, value in zip(self._running_stats, saved, strict=True):
+        for buffer, value in zip(self._running_stats, self._saved_stats, strict=True):
             buffer.copy_(value)  # pass 2 updates them, once per micro-batch
+        held, features, rng = self._held, self._features, self._rng
+        self._held, self._features, self._saved_stats, self._rng = [], [], [], []
+        return self._step(held, features, rng), True
+
+    def _step(self, held: list[MicroBatch], features: list, rng: list) -> list[LossOutput]:
+        engine, loss = self.engine, self.loss
         image_features, text_features, logit_scales = zip(*features)
         loss.begin_cached_step(
             torch.cat(image_features),
@@ -141,6 +149,7 @@ class CachedStep:
         outs = []
         try:
             for micro, batch in enumerate(held):  # pass 2: each micro-batch's gradient
+                _set_rng_state(rng[micro])  # the random draws of its pass 1
                 with keyed_masks(engine.module, batch.keys):
                     image_features, text_features, logit_scale = _forward(engine, self.model_input, batch)
                     out = loss.cached_forward(image_features, text_features, logit_scale, micro)
@@ -150,3 +159,18 @@ class CachedStep:
         finally:
             loss.end_cached_step()
         return outs
+
+
+def _rng_state(device: torch.device) -> tuple:
+    """The generators a forward on ``device`` draws from (dropout, drop-path): the CPU's and the device's."""
+    return torch.get_rng_state(), (
+        device,
+        torch.cuda.get_rng_state(device),
+    ) if device.type == "cuda" else None
+
+
+def _set_rng_state(state: tuple) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda[1], cuda[0])

@@ -135,6 +135,7 @@ class Trainer:
             sizes=sizes,
             decode_device=self.device if cfg.data.image_decode == "gpu" else None,
             pin_memory=self.device.type == "cuda",
+            accumulation=layout.grad_accum_steps,
         )
         schedule = preflight.check_schedule(cfg, self.loader.num_batches, world_size=self.world_size)
         preflight.raise_for_errors(schedule, log_warnings=self.is_main)
@@ -296,11 +297,12 @@ class Trainer:
     # ---- pieces --------------------------------------------------------------------------------------
 
     def _contrastive_step(self, layout):
-        """What each loss evaluation sees (train.contrastive_batch, engine/contrastive_step.py)."""
-        if layout.contrastive == "micro":
+        """What each loss evaluation sees (train.contrastive_batch, engine/contrastive_step.py); one
+        micro-batch a step sees the whole step either way."""
+        if layout.contrastive == "micro" or layout.grad_accum_steps == 1:
             return MicroBatchStep(self.engine, self.loss, self._model_input)
-        if self.is_main:  # uint8 from TrainLoader, a stand-in's floats
-            image_bytes = 1 if isinstance(self.loader, TrainLoader) else 4
+        if self.is_main:  # uint8 from open_clip's transform in TrainLoader, else floats
+            image_bytes = 1 if getattr(self.loader, "image_transform", None) is not None else 4
             log.info(held_memory(layout, self.bundle.embed_dim, self.bundle.image_shape, image_bytes))
         return CachedStep(self.engine, self.loss, self._model_input, layout.grad_accum_steps)
 

@@ -1,10 +1,11 @@
 """Token masking (FLIP patch dropout): switched at run time, and drawn per sample from the sample's key.
 
-open_clip's own towers drop patches with ``open_clip.transformer.PatchDropout`` and timm's EVA trunks with
-``PatchDropoutWithIndices`` (which also drops the matching RoPE rows); both read their ``prob`` attribute
-on every call and do nothing in eval mode, so changing ``prob`` is all it takes to switch masking.
+open_clip's own towers drop patches with ``open_clip.transformer.PatchDropout``, timm's EVA trunks with
+``PatchDropoutWithIndices`` (which also drops the matching RoPE rows) and timm's ViT trunks with timm's
+``PatchDropout``; all read their ``prob`` attribute on every call and do nothing in eval mode, so changing
+``prob`` is all it takes to switch masking.
 
-Both draw their mask from the process's global generator, so a sample's mask depends on the rank, the
+All draw their mask from the process's global generator, so a sample's mask depends on the rank, the
 micro-batch and every draw before it. :func:`key_patch_dropout` gives the modules of a model a keyed draw
 instead: inside :func:`keyed_masks` (the trainer's forward and backward) the kept tokens of sample i are a
 function of ``keys[i]`` alone, the sample's key from the loader (``data/sample_keys.py``: run seed, epoch,
@@ -22,6 +23,7 @@ from collections.abc import Iterator
 
 import torch
 from open_clip.transformer import PatchDropout
+from timm.layers.patch_dropout import PatchDropout as TimmPatchDropout
 from timm.layers.patch_dropout import PatchDropoutWithIndices
 from torch import nn
 
@@ -30,7 +32,9 @@ _MASK32 = 0xFFFFFFFF
 
 def patch_dropout_modules(model: nn.Module) -> list[nn.Module]:
     """The modules that drop patch tokens in ``model`` (open_clip's and timm's, keyed or not)."""
-    return [m for m in model.modules() if isinstance(m, (PatchDropout, PatchDropoutWithIndices))]
+    return [
+        m for m in model.modules() if isinstance(m, (PatchDropout, TimmPatchDropout, PatchDropoutWithIndices))
+    ]
 
 
 def set_patch_dropout(model: nn.Module, prob: float) -> int:
@@ -88,6 +92,15 @@ class KeyedPatchDropout(PatchDropout):
         return torch.cat((x[:, :1], kept), dim=1) if prefix else kept
 
 
+def _keep_after_prefix(x: torch.Tensor, keys: torch.Tensor, prefix: int, prob: float, ordered: bool):
+    """timm's drop: the ``prefix`` tokens kept, of the others those ``keys`` pick; (x, kept indices)."""
+    keep = keep_indices(keys.to(x.device), x.shape[1] - prefix, prob)
+    if ordered:
+        keep = keep.sort(dim=-1).values
+    kept = x[:, prefix:].gather(1, keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+    return (torch.cat((x[:, :prefix], kept), dim=1) if prefix else kept), keep
+
+
 class KeyedPatchDropoutWithIndices(PatchDropoutWithIndices):
     """timm's PatchDropoutWithIndices (EVA trunks), its mask drawn from ``sample_keys`` when set."""
 
@@ -96,13 +109,25 @@ class KeyedPatchDropoutWithIndices(PatchDropoutWithIndices):
     def forward(self, x):
         if not self.training or self.prob == 0.0 or self.sample_keys is None:
             return super().forward(x)
-        prefix = self.num_prefix_tokens
-        keep = keep_indices(self.sample_keys.to(x.device), x.shape[1] - prefix, self.prob)
-        kept = x[:, prefix:].gather(1, keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-        return (torch.cat((x[:, :prefix], kept), dim=1) if prefix else kept), keep
+        return _keep_after_prefix(x, self.sample_keys, self.num_prefix_tokens, self.prob, self.ordered)
 
 
-_KEYED = {PatchDropout: KeyedPatchDropout, PatchDropoutWithIndices: KeyedPatchDropoutWithIndices}
+class KeyedTimmPatchDropout(TimmPatchDropout):
+    """timm's PatchDropout (ViT trunks), its mask drawn from ``sample_keys`` when set."""
+
+    sample_keys: torch.Tensor | None = None
+
+    def forward(self, x):
+        if not self.training or self.prob == 0.0 or self.sample_keys is None:
+            return super().forward(x)
+        return _keep_after_prefix(x, self.sample_keys, self.num_prefix_tokens, self.prob, self.ordered)[0]
+
+
+_KEYED = {
+    PatchDropout: KeyedPatchDropout,
+    PatchDropoutWithIndices: KeyedPatchDropoutWithIndices,
+    TimmPatchDropout: KeyedTimmPatchDropout,
+}
 
 
 def key_patch_dropout(model: nn.Module) -> int:
