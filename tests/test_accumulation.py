@@ -7,15 +7,12 @@ micro-batches of 4 against 1 micro-batch of 8 (the step of 2 ranks x 1 micro-bat
 
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import accumulation_ranks as layouts
 import pytest
 import torch
+from launching import launch_ranks
 
 from eva_fastclip.config import load_config
 from eva_fastclip.engine.trainer import Trainer
@@ -135,28 +132,11 @@ def test_zero2_takes_the_same_step_as_zero1(stepped):
 # ---- which layouts take the same step ----------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """2 ranks x 4 pairs x 2 micro-batches, each loss of accumulation_ranks.LOSSES: every rank's state."""
     out = tmp_path_factory.mktemp("two_ranks")
-    bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONUNBUFFERED": "1"}
-    cmd = [str(bin_dir / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
-    proc = subprocess.run(
-        [*cmd, "tests/accumulation_ranks.py", str(out)],
-        cwd=Path(__file__).parents[1],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    launch_ranks(2, ["tests/accumulation_ranks.py", str(out)])
     return {name: [torch.load(out / f"{name}_rank{r}.pt") for r in range(2)] for name in layouts.LOSSES}
 
 

@@ -20,16 +20,11 @@ contrastive batch (the converse test) moves weights and moments by tenths of the
 on those tensors), the per-sample table by 0.3: thousands of times the tolerance.
 """
 
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
-
 import cached_step_ranks as layouts
 import pytest
 import torch
 import torch.nn.functional as F
+from launching import launch_ranks
 
 from eva_fastclip.losses import build_loss
 
@@ -285,28 +280,11 @@ def test_batch_norm_statistics_move_once_per_micro_batch(tmp_path):
 # ---- a real 2-rank launch ------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """Each configuration of cached_step_ranks.LAUNCHED on 2 ranks x 4 micro-batches of 4: rank states."""
     out = tmp_path_factory.mktemp("two_ranks_global")
-    bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONUNBUFFERED": "1"}
-    cmd = [str(bin_dir / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
-    proc = subprocess.run(
-        [*cmd, "tests/cached_step_ranks.py", str(out)],
-        cwd=Path(__file__).parents[1],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    launch_ranks(2, ["tests/cached_step_ranks.py", str(out)], timeout=900)
     return {
         f"{loss}_zero{stage}": [torch.load(out / f"{loss}_zero{stage}_rank{r}.pt") for r in range(2)]
         for loss, stage in layouts.LAUNCHED
@@ -376,23 +354,10 @@ def test_the_command_line_on_real_shards_takes_the_one_rank_step(tmp_path):
     ]
     args = ["train", "--config", "configs/toy.json", *(x for s in sets for x in ("--set", s))]
     assert main([*args, "--set", f"train.output_dir={tmp_path / 'one'}"]) == 0
-    bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONUNBUFFERED": "1"}
     two = ["--set", "train.max_micro_batch=8", "--set", "train.contrastive_batch=global"]
     two += ["--set", f"train.output_dir={tmp_path / 'two'}"]
-    launch = [str(bin_dir / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
-    proc = subprocess.run(
-        [*launch, "--module", "eva_fastclip", *args, *two],
-        cwd=Path(__file__).parents[1],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    assert "2 rank(s) x 32 pairs (4 micro-batch(es) of 8 accumulated); each loss evaluation sees 64" in (
-        proc.stdout + proc.stderr
-    )
+    output = launch_ranks(2, ["--module", "eva_fastclip", *args, *two])
+    assert "2 rank(s) x 32 pairs (4 micro-batch(es) of 8 accumulated); each loss evaluation sees 64" in output
 
     def final(run):
         folder = tmp_path / run / "checkpoints" / "step_00000002"

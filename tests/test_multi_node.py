@@ -16,13 +16,13 @@ import os
 import pwd
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from launching import free_port
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from eva_fastclip.data import write_toy_dataset
@@ -33,12 +33,6 @@ pytestmark = pytest.mark.launcher
 REPO = Path(__file__).parents[1]
 HOSTS = ("127.0.0.1", "127.0.0.2")  # both loopback: two "nodes" that are this machine
 FIRST_STEPS, TOTAL_STEPS = 4, 6
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def find_tool(name: str) -> str | None:

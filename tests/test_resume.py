@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 import open_clip
 import pytest
 import torch
+from launching import free_port
 from torchvision import transforms
 
 from eva_fastclip.cli import main
@@ -441,12 +441,6 @@ def test_a_conversion_is_made_once_per_save(tmp_path, monkeypatch):
 
 
 # ---- real launches ----------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(

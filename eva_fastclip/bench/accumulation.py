@@ -24,8 +24,6 @@ features and temporaries, not the weights and moments every contestant holds ali
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
 import statistics
 import tempfile
@@ -40,11 +38,11 @@ from eva_fastclip.bench.speed import (
     MASKS,
     OpenClipStep,
     _image_size,
-    _versions,
     bench_trainer,
-    cpu_model,
+    environment,
     synthetic_batch,
     time_interleaved,
+    write_results,
 )
 
 SIDES = ("ours one", "ours micro", "ours global", "openclip accum")
@@ -243,21 +241,9 @@ def run_accumulation_benchmark(
         },
         "contestants": by_name,
         "ratios": ratios,
-        "environment": {
-            **_versions(),
-            "cpu_model": cpu_model(),
-            "cpu_count": os.cpu_count(),
-            "torch_threads": threads,
-            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        },
+        "environment": environment(threads),
     }
-    if output is not None:
-        path = Path(output)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(results, indent=2))
-        results["output"] = str(path)
-    return results
+    return write_results(results, output)
 
 
 def format_accumulation_report(results: dict[str, Any]) -> str:

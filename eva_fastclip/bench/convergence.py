@@ -707,8 +707,8 @@ def format_report(
     walls: dict[Layout, list[float]] = {}
     cpus: dict[Layout, list[float]] = {}
     for record in records:
-        spec = record["spec"]
-        layout = (spec["batch"], spec["accumulate"], spec["contrastive"])
+        run = record["spec"]
+        layout = (run["batch"], run["accumulate"], run["contrastive"])
         walls.setdefault(layout, []).append(record["wall_s"])
         cpus.setdefault(layout, []).append(record["cpu_s"])
     timing = "; ".join(

@@ -380,15 +380,25 @@ def run_speed_benchmark(
         },
         "contestants": results_by_name,
         "ratios": ratios,
-        "environment": {
-            **_versions(),
-            "cpu_model": cpu_model(),
-            "cpu_count": os.cpu_count(),
-            "torch_threads": threads,
-            "cuda": torch.cuda.is_available(),
-            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        },
+        "environment": environment(threads),
     }
+    return write_results(results, output)
+
+
+def environment(threads: int) -> dict[str, Any]:
+    """Versions, machine, threads and date: what a benchmark's results record beside their figures."""
+    return {
+        **_versions(),
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": threads,
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    }
+
+
+def write_results(results: dict[str, Any], output: str | Path | None) -> dict[str, Any]:
+    """``results`` as JSON in ``output`` (unless None), its path then under ``"output"``."""
     if output is not None:
         path = Path(output)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -498,8 +498,8 @@ class TrainLoader:
 
     def _sample_key(self, sample: dict[str, Any], index: int, position: tuple) -> int:
         """The key (data/sample_keys.py) that seeds the sample's crop here and its token mask in the
-        model: the sample is its dataset index, else its shard's URL and key; its occurrence is the pass of the
-        epoch's plan (a top-up draws it again). A resampled stream draws samples with replacement and
+        model: the sample is its dataset index, else its shard's URL and key; its occurrence is the pass of
+        the epoch's plan (a top-up draws it again). A resampled stream draws samples with replacement and
         depends on the layout anyway: there the draw's place in its stream is the occurrence."""
         worker, stream, taken = position[:3]
         sample_id = index if index >= 0 else f"{sample['__url__']}/{sample['__key__']}"

@@ -74,6 +74,17 @@ class ContrastiveLoss(nn.Module):
     def end_cached_step(self) -> None:
         """Free what ``begin_cached_step`` kept (the staged per-sample state stays until the hooks)."""
 
+    def _gather_step(self, image_features, text_features, micro_batch: int):
+        """Every rank's features of the step ([G, d] each, no autograd) and where this rank's lie among
+        them (rank-major, each rank's micro-batches in order)."""
+        g, n = self.gatherer, image_features.shape[0]
+        if n % micro_batch:
+            raise ValueError(f"{n} pairs do not make micro-batches of {micro_batch}")
+        # two gathers rather than one of a stacked copy: contiguous [G, d] operands, no extra G×2×d buffer
+        e1_all = g.gather(image_features, purpose="features")
+        e2_all = g.gather(text_features, purpose="features")
+        return e1_all, e2_all, slice(g.rank * n, (g.rank + 1) * n)
+
     def on_step_applied(self) -> None:
         """Commit what ``forward`` staged: the optimizer step it contributed to was applied."""
 

@@ -107,16 +107,11 @@ class CompositionalLoss(ContrastiveLoss):
         own negatives, and their mean over ranks and micro-batches is the gradient over all G pairs."""
         g = self.gatherer
         n = image_features.shape[0]
-        if n % micro_batch:
-            raise ValueError(f"{n} pairs do not make micro-batches of {micro_batch}")
-        # two gathers rather than one of a stacked copy: contiguous [B, d] operands, no extra B×2×d buffer
-        e1_all = g.gather(image_features, purpose="features")
-        e2_all = g.gather(text_features, purpose="features")
+        e1_all, e2_all, own = self._gather_step(image_features, text_features, micro_batch)
         idx_all = g.gather(indices, purpose="indices")
         big_b = e1_all.shape[0]
         if big_b < 2:
             raise ValueError("the global contrastive loss needs at least 2 pairs per step across ranks")
-        own = slice(g.rank * n, (g.rank + 1) * n)
         # [B, F]: the committed state of every pair in the step (computed on in the features' precision)
         rows = self.state.lookup(idx_all).to(image_features.dtype)
         col = self.state.column

@@ -46,12 +46,8 @@ class OpenClipLoss(ContrastiveLoss):
         """Every pair's features, and each row's log-sum-exp over all G (this rank's rows, gathered)."""
         g = self.gatherer
         n = image_features.shape[0]
-        if n % micro_batch:
-            raise ValueError(f"{n} pairs do not make micro-batches of {micro_batch}")
-        e1_all = g.gather(image_features, purpose="features")
-        e2_all = g.gather(text_features, purpose="features")
+        e1_all, e2_all, own = self._gather_step(image_features, text_features, micro_batch)
         scale = logit_scale.detach().reshape(())
-        own = slice(g.rank * n, (g.rank + 1) * n)
         lse_img, lse_txt = image_features.new_empty(n), image_features.new_empty(n)
         step = max(1, _BLOCK_ELEMENTS // e1_all.shape[0])
         for start in range(0, n, step):  # row blocks: nothing of size n×G at once
