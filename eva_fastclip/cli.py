@@ -263,14 +263,24 @@ def cmd_train(args) -> int:
     preflight.raise_for_errors(report.problems, log_warnings=False)  # the Trainer logs the warnings
     if args.dry_run:
         return 0
+    from eva_fastclip.engine.preemption import PREEMPTED_EXIT_CODE, Preempted
     from eva_fastclip.engine.trainer import NonFiniteSteps, Trainer
+    from eva_fastclip.engine.watchdog import Watchdog
 
+    flight_recorder = Path(cfg.train.output_dir) / "flight_recorder"
     try:
-        Trainer(cfg, ds, resume=args.resume).train()
+        with Watchdog(
+            cfg.train.hang_timeout_s, cfg.train.hang_timeout_long_s, dump_dir=flight_recorder
+        ) as dog:
+            Trainer(cfg, ds, resume=args.resume, watchdog=dog).train()
     except NonFiniteSteps as err:  # the last complete checkpoint is intact: say which, exit non-zero
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"eva-fastclip train: stopped: {err}", file=sys.stderr)
         return 3
+    except Preempted as err:  # saved at a step boundary: resumable, not a failure
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"eva-fastclip train: preempted: {err}", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
     return 0
 
 

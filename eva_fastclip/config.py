@@ -169,6 +169,8 @@ _COMPOSITIONAL_DEFAULTS: dict[str, Any] = {
 }
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 CONTRASTIVE_BATCHES = ("micro", "global")
+#: signals train.preempt_signal may name: catchable, and not already caught or the loader's
+PREEMPT_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGALRM", "SIGXCPU")
 TEMPERATURE_RULES = ("fixed", "learnable", "rgcl_g", "individual_adam", "individual_momentum")
 #: how the rgcl_g rule takes tau's gradient: the objective's, or what FastCLIP's code computes
 TAU_GRADIENTS = ("exact", "fastclip_code")
@@ -419,6 +421,19 @@ class TrainConfig:
     """Checkpoints (output_dir/checkpoints), TensorBoard logs (output_dir/tensorboard), final metrics."""
     save_every_steps: int = 0
     """Save a sharded checkpoint every N optimizer steps (0: only at the end)."""
+    save_every_minutes: float = 0.0
+    """Also save when this many minutes have passed since the last save (0: off), decided on rank 0 so that
+    every rank saves at the same step; beside train.save_every_steps."""
+    hang_timeout_s: float = 600.0
+    """The longest a rank may take over one phase of a step (a forward, a backward, a collective, a batch
+    from the loader) before it logs what it was doing and which ranks it waits for, and exits (code 124;
+    docs/reliability.md). 0: no watchdog (collectives then wait PyTorch's 30 minutes)."""
+    hang_timeout_long_s: float = 1800.0
+    """The same for start-up (process group, model, engine, a checkpoint's load), the first step,
+    evaluations and saves."""
+    preempt_signal: str | None = None
+    """A signal that asks for a checkpoint and a stop, besides SIGTERM and SIGINT, e.g. "SIGUSR1" for SLURM's
+    --signal (docs/reliability.md). The run saves at the next optimizer step and exits with code 75."""
     keep_checkpoints: int = 2
     """Complete checkpoints kept; older ones are deleted only after a newer one is complete."""
     log_every_steps: int = 10
@@ -457,6 +472,19 @@ class TrainConfig:
         if self.steps is not None:
             _positive("train.steps", self.steps)
         _positive("train.save_every_steps", self.save_every_steps, allow_zero=True)
+        _positive("train.save_every_minutes", self.save_every_minutes, allow_zero=True)
+        _positive("train.hang_timeout_s", self.hang_timeout_s, allow_zero=True)
+        _positive("train.hang_timeout_long_s", self.hang_timeout_long_s, allow_zero=True)
+        if self.hang_timeout_s and self.hang_timeout_long_s < self.hang_timeout_s:
+            raise ConfigError(
+                f"train.hang_timeout_long_s={self.hang_timeout_long_s} is shorter than train.hang_timeout_s="
+                f"{self.hang_timeout_s}: it is the allowance of the long phases (start-up, saves): raise it"
+            )
+        if self.preempt_signal is not None and self.preempt_signal not in PREEMPT_SIGNALS:
+            raise ConfigError(
+                f"train.preempt_signal={self.preempt_signal!r} is not a signal a run can catch: use one of "
+                f"{', '.join(PREEMPT_SIGNALS)} (SIGTERM and SIGINT are always caught), or null"
+            )
         _positive("train.keep_checkpoints", self.keep_checkpoints)
         _positive("train.log_every_steps", self.log_every_steps)
         _positive("train.max_skipped_steps", self.max_skipped_steps, allow_zero=True)

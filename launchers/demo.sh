@@ -7,5 +7,6 @@ cd "$(dirname "$0")/.."
 [ -f data/toy/train/manifest.json ] || eva-fastclip toy-data --output data/toy
 # --resume latest: run again, the demo goes on from its last checkpoint (a finished run only evaluates)
 # instead of stopping at the earlier run's checkpoints; `make clean` starts it over
-exec deepspeed --num_gpus "${NUM_RANKS:-2}" --module eva_fastclip train --config configs/toy.json \
-    --resume latest "$@"
+source launchers/master_port.sh  # a free port unless MASTER_PORT is set
+exec deepspeed --num_gpus "${NUM_RANKS:-2}" --master_port "$MASTER_PORT" --module eva_fastclip train \
+    --config configs/toy.json --resume latest "$@"

@@ -6,6 +6,8 @@
 set -euo pipefail
 config=${1:?usage: single_node.sh CONFIG.json [eva-fastclip train options]}
 shift
+# MASTER_PORT: a free port unless set (a port in use stops here, naming it)
+source "$(dirname "$0")/master_port.sh"
 
 if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
     # DeepSpeed's launcher drops CUDA_VISIBLE_DEVICES as soon as --num_gpus is given and then uses GPUs
@@ -27,10 +29,10 @@ if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
     chosen=$(IFS=,; echo "${visible[*]:0:$gpus}")
     # unset, so that the launcher sees every GPU and --include picks these; it sets it again for each rank
     exec env -u CUDA_VISIBLE_DEVICES deepspeed --include "localhost:$chosen" \
-        --master_port "${MASTER_PORT:-29500}" --module eva_fastclip train --config "$config" "$@"
+        --master_port "$MASTER_PORT" --module eva_fastclip train --config "$config" "$@"
 fi
 
 gpus=${NUM_GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 [ "$gpus" -gt 0 ] || gpus=1
-exec deepspeed --num_gpus "$gpus" --master_port "${MASTER_PORT:-29500}" \
+exec deepspeed --num_gpus "$gpus" --master_port "$MASTER_PORT" \
     --module eva_fastclip train --config "$config" "$@"

@@ -12,6 +12,7 @@ from pathlib import Path
 import open_clip
 import pytest
 import torch
+from launching import free_port, launcher_env
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from eva_fastclip.cli import main
@@ -28,23 +29,17 @@ FIRST_STEPS, TOTAL_STEPS = 30, 40
 
 def launch(args: list[str], tmp: Path, name: str) -> str:
     """Run ``deepspeed --num_gpus 2 --module eva_fastclip ...``; fail with the log if it fails."""
-    bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONUNBUFFERED": "1"}
-    cmd = [
-        str(bin_dir / "deepspeed"),
-        "--num_gpus",
-        "2",
-        "--master_port",
-        "29533",
-        "--module",
-        "eva_fastclip",
-    ]
-    result = subprocess.run(cmd + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    port = free_port()
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(port)]
+    cmd += ["--module", "eva_fastclip"]
+    result = subprocess.run(
+        cmd + args, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=600
+    )
     log = result.stdout + result.stderr
     (tmp / f"{name}.log").write_text(log)
     assert result.returncode == 0, f"launch failed ({name}):\n{log[-6000:]}"
     # DeepSpeed's CPU all-reduce buffers (67 MB a rank) leave no name behind in /dev/shm
-    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_29533_*"))
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
     return log
 
 

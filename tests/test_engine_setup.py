@@ -225,7 +225,7 @@ def test_schedule_warms_up_linearly_then_decays_by_cosine():
 
 ALLOCATE_AND_REPORT = """
 import ctypes, sys, torch
-from eva_fastclip.engine.trainer import keep_freed_host_memory
+from eva_fastclip.engine.process import keep_freed_host_memory
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in (

@@ -305,7 +305,7 @@ def test_per_zero_partition_steps_each_flat_partition_as_the_kernel_does():
     """``optim.lamb_trust_ratio=per_zero_partition``: DeepSpeed flattens each group into one fp32
     partition (one rank: the whole group, padded) and hands those to the optimizer; the update, trust ratio
     included, is the kernel's on the flat partition, as FusedLamb steps it under ZeRO."""
-    from eva_fastclip.engine.trainer import init_process_group
+    from eva_fastclip.engine.process import init_process_group
 
     init_process_group()
     sets = ["optim.lr=0.01", "optim.weight_decay=0.1", "optim.warmup_steps=0"]

@@ -156,7 +156,7 @@ def assert_per_tensor(result, expected, label: str, bf16: bool) -> None:
 
 
 def _two_ranks(rank: int, port: int, out_dir: str) -> None:
-    from eva_fastclip.engine.trainer import init_process_group
+    from eva_fastclip.engine.process import init_process_group
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -191,7 +191,7 @@ def expected():
 
 @pytest.mark.parametrize("name", ONE_RANK)
 def test_one_rank_steps_are_per_tensor(name, expected):
-    from eva_fastclip.engine.trainer import init_process_group
+    from eva_fastclip.engine.process import init_process_group
 
     init_process_group()
     result = run(name, 1)

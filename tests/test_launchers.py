@@ -3,7 +3,10 @@ CUDA_VISIBLE_DEVICES once --num_gpus is passed and takes GPUs 0..N-1, another jo
 Run against stand-ins for ``deepspeed`` and ``nvidia-smi`` that record what they were called with."""
 
 import os
+import socket
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -74,3 +77,59 @@ def test_without_visible_devices_all_gpus_or_num_gpus(fake_bin):
 def test_what_cannot_be_honoured_is_refused(fake_bin, env, message):
     result = launch(fake_bin, **env)
     assert result.returncode == 2 and message in result.stderr and "ARGS" not in result.stdout
+
+
+def test_a_free_port_unless_master_port_is_set(fake_bin):
+    """Two runs on one node no longer both take DeepSpeed's 29500: unset, MASTER_PORT is a free port."""
+    args, _ = called_with(launch(fake_bin))
+    port = int(args[args.index("--master_port") + 1])
+    with socket.socket() as probe:
+        probe.bind(("", port))  # free, now that the stand-in launcher has exited
+    args, _ = called_with(launch(fake_bin, MASTER_PORT=str(port)))
+    assert args[args.index("--master_port") + 1] == str(port)
+
+
+def test_a_port_in_use_is_one_line_naming_master_port(fake_bin):
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = launch(fake_bin, MASTER_PORT=str(port))
+    assert result.returncode == 2 and "ARGS" not in result.stdout
+    assert result.stderr.strip() == (
+        f"single_node.sh: MASTER_PORT={port} is in use on this host (another run?): set MASTER_PORT to a "
+        "free port, or unset it to have one picked"
+    )
+
+
+@pytest.mark.launcher
+def test_the_launcher_on_a_port_in_use_says_so_in_one_line(tmp_path):
+    """``deepspeed --master_port`` of a port another process listens on: rank 0 cannot listen there and
+    stops with one line naming MASTER_PORT (exit 2), not PyTorch's EADDRINUSE trace; the launch ends."""
+    from launching import launcher_env
+
+    from eva_fastclip.data import write_toy_dataset
+
+    write_toy_dataset(tmp_path / "toy", num_train=32, num_val=8, num_zeroshot=8, samples_per_shard=16)
+    deepspeed = str(Path(sys.executable).parent / "deepspeed")
+    sets = [
+        f'data.train_shards=["{tmp_path / "toy" / "train"}"]',
+        "model.name=test-vit-xs",
+        "train.batch_size=8",
+    ]
+    sets += ["eval.zeroshot_dir=null", "eval.retrieval_shards=null", f"train.output_dir={tmp_path / 'run'}"]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        result = subprocess.run(
+            [deepspeed, "--num_gpus", "2", "--master_port", str(port), "--module", "eva_fastclip", "train",
+             "--config", "configs/toy.json", *(x for s in sets for x in ("--set", s))],
+            cwd=SCRIPT.parents[1], env=launcher_env(), capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    assert f"eva-fastclip train: error: MASTER_PORT={port} is in use on " in output, output[-3000:]
+    assert "Traceback" not in output and "EADDRINUSE" not in output, output[-3000:]
+    print(f"the launch ended {time.monotonic() - started:.1f} s after it started")

@@ -54,6 +54,7 @@ from .tar_reader import (
     shard_samples,
 )
 from .urls import expand_urls
+from .workers import ignore_stop_signals
 
 logger = logging.getLogger(__name__)
 
@@ -201,6 +202,7 @@ class TrainLoader:
         self._failures = FailureLog(max_in_a_row=_MAX_FAILURES_IN_A_ROW + shuffle_buffer)
         self._skipped_before = [0] * len(SKIP_REASONS)  # skips of the iterations before this one
         self._skips: dict[int, tuple[int, ...]] = {}  # worker -> its skips up to its latest batch yielded
+        self.worker_pids: list[int] = []  # the current epoch's loader workers
 
     @staticmethod
     def _shard_cum_weights(per_source: list[list[str]], weights: Sequence[float] | None) -> list[float]:
@@ -341,12 +343,15 @@ class TrainLoader:
             # a generator of its own for the workers' base seed (which nothing uses): starting a loader
             # must not draw from the global one, which masks patches in the training step
             generator=torch.Generator().manual_seed(self.seed),
+            worker_init_fn=ignore_stop_signals,  # the rank finishes its step and saves: data/workers.py
         )
         # The workers together make >= num_batches; the cut makes every rank yield exactly num_batches.
         self._batches, self._streams = self._start, dict(self._resume)
         topped_up = 0  # batches that drew on the top-up pass: a worker's range ran short
+        batches = iter(loader)
+        self.worker_pids = [worker.pid for worker in getattr(batches, "_workers", ())]  # (a hang names them)
         for images, tokens, indices, keys, (worker, stream, skips) in itertools.islice(
-            loader, self.num_batches - self._start
+            batches, self.num_batches - self._start
         ):
             self._streams[worker] = tuple(stream)
             self._skips[worker] = tuple(skips)

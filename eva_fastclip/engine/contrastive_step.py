@@ -24,7 +24,8 @@
   pairs on every rank (:func:`held_bytes`).
 
 Each step kind's ``add(batch)`` takes one micro-batch and returns the loss outputs of the micro-batches it
-backpropagated and whether the optimizer step was taken (DeepSpeed's accumulation boundary).
+backpropagated and whether the optimizer step was taken (DeepSpeed's accumulation boundary). It names each
+phase of its work to ``note`` (the hang watchdog's: engine/watchdog.py).
 """
 
 from __future__ import annotations
@@ -87,20 +88,29 @@ def _forward(engine, model_input: ModelInput, batch: MicroBatch):
     return image_features.float(), text_features.float(), logit_scale.float()
 
 
+def _no_note(phase: str) -> None:
+    pass
+
+
 class MicroBatchStep:
     """``train.contrastive_batch: micro``: one loss evaluation per micro-batch."""
 
     def __init__(self, engine, loss: ContrastiveLoss, model_input: ModelInput) -> None:
         self.engine, self.loss, self.model_input = engine, loss, model_input
+        self.note: Callable[[str], None] = _no_note
 
     def add(self, batch: MicroBatch) -> tuple[list[LossOutput], bool]:
-        engine = self.engine
+        engine, note = self.engine, self.note
         # the keys stay set over the backward: a checkpointed forward runs again there
         with keyed_masks(engine.module, batch.keys):
+            note("forward")
             image_features, text_features, logit_scale = _forward(engine, self.model_input, batch)
+            note("loss (its collectives: feature gather, per-sample state)")
             out = self.loss(image_features, text_features, logit_scale, batch.indices)
+            note("backward (and its gradient reduction)")
             engine.backward(out.loss)
         boundary = engine.is_gradient_accumulation_boundary()
+        note("optimizer step" if boundary else "micro-step")
         engine.step()
         return [out], boundary
 
@@ -112,6 +122,7 @@ class CachedStep:
 
     def __init__(self, engine, loss: ContrastiveLoss, model_input: ModelInput, micro_batches: int) -> None:
         self.engine, self.loss, self.model_input = engine, loss, model_input
+        self.note: Callable[[str], None] = _no_note
         self.micro_batches = micro_batches
         self._running_stats = running_statistics(engine.module)
         self._saved_stats: list[torch.Tensor] = []
@@ -124,6 +135,7 @@ class CachedStep:
         if not self._held:  # the step's first micro-batch: pass 1 must leave BatchNorm's statistics alone
             self._saved_stats = [buffer.clone() for buffer in self._running_stats]
         self._rng.append(_rng_state(batch.images.device))
+        self.note("forward without autograd (pass 1)")
         with torch.no_grad(), keyed_masks(engine.module, batch.keys):  # pass 1: this micro-batch's features
             self._features.append(_forward(engine, self.model_input, batch))
         self._held.append(batch)
@@ -138,6 +150,7 @@ class CachedStep:
     def _step(self, held: list[MicroBatch], features: list, rng: list) -> list[LossOutput]:
         engine, loss = self.engine, self.loss
         image_features, text_features, logit_scales = zip(*features)
+        self.note("loss set-up (its collectives: feature gather, per-sample state)")
         loss.begin_cached_step(
             torch.cat(image_features),
             torch.cat(text_features),
@@ -151,9 +164,12 @@ class CachedStep:
             for micro, batch in enumerate(held):  # pass 2: each micro-batch's gradient
                 _set_rng_state(rng[micro])  # the random draws of its pass 1
                 with keyed_masks(engine.module, batch.keys):
+                    self.note("forward (pass 2)")
                     image_features, text_features, logit_scale = _forward(engine, self.model_input, batch)
                     out = loss.cached_forward(image_features, text_features, logit_scale, micro)
+                    self.note("backward (and its gradient reduction)")
                     engine.backward(out.loss)
+                self.note("optimizer step" if micro == len(held) - 1 else "micro-step")
                 engine.step()
                 outs.append(out)
         finally:

@@ -1,12 +1,17 @@
 """The training loop: set-up in a fixed order, then ``train()`` over ``train_step()``.
 
 Set-up order: config (validated before we get here) → seed → pre-flight checks of paths (rank 0,
-engine/preflight.py) → process group → the checkpoint to resume (its conversion for another number of
+engine/preflight.py) → process group (engine/process.py; the hang watchdog's heartbeats start) → the
+checkpoint to resume (its conversion for another number of
 ranks, the accumulation that keeps its global batch) → model (temperature controller, kernels) → data →
 its schedule checks → loss → precision and DeepSpeed JSON → engine → the step's loss evaluations
 (engine/contrastive_step.py: per micro-batch, or cached over the whole step) → resume (the RNG states last)
 → TensorBoard writer and step log. One "step" is one optimizer step (``train.grad_accum_steps``
 micro-batches).
+
+``train()`` catches the signals that ask for a stop and saves at the next step boundary
+(engine/preemption.py); the command line runs it under the hang watchdog (engine/watchdog.py), whose phases
+the trainer names.
 
 The loop stops after ``train.max_skipped_steps`` steps in a row that DeepSpeed skipped or whose loss was
 not finite, and never saves non-finite weights: the last complete checkpoint stays the one to resume.
@@ -14,20 +19,16 @@ not finite, and never saves non-finite weights: the last complete checkpoint sta
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import itertools
 import json
 import logging
 import math
 import os
-import random
-import socket
+import time
 import zlib
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -50,6 +51,14 @@ from eva_fastclip.engine.precision import (
     for_resume,
     precision_in_deepspeed_json,
 )
+from eva_fastclip.engine.preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption
+from eva_fastclip.engine.process import (
+    init_process_group,
+    memory_in_use_gib,
+    rng_state,
+    seed_everything,
+    set_rng_state,
+)
 from eva_fastclip.engine.setup import (
     WarmupCosine,
     autocast_dtype,
@@ -58,6 +67,7 @@ from eva_fastclip.engine.setup import (
     resolve_precision,
     retarget_schedule,
 )
+from eva_fastclip.engine.watchdog import Watchdog, flight_recorder_env
 from eva_fastclip.losses import Gatherer, build_loss
 from eva_fastclip.models import create_model
 from eva_fastclip.models.kernels import configure_kernels
@@ -80,12 +90,19 @@ class Trainer:
     _losses_in_step: list[torch.Tensor] = []  # the losses of this step's micro-batches so far
 
     def __init__(
-        self, cfg: ExperimentConfig, ds_config: dict[str, Any], resume: str | None = None, loader=None
+        self,
+        cfg: ExperimentConfig,
+        ds_config: dict[str, Any],
+        resume: str | None = None,
+        loader=None,
+        watchdog: Watchdog | None = None,
     ) -> None:
         """``loader`` replaces the webdataset loader (benchmarks, tests): an iterable of (images, tokens,
         indices) with ``num_batches`` and ``set_epoch``; a resumed epoch reads and drops the batches done
-        unless it also has TrainLoader's ``state_dict`` and ``resume``."""
+        unless it also has TrainLoader's ``state_dict`` and ``resume``. ``watchdog``: the hang watchdog
+        the trainer tells what it does (``eva-fastclip train`` runs one; engine/watchdog.py)."""
         self.cfg = cfg
+        self.watchdog = watchdog or Watchdog(0, 0)  # (off)
         seed_everything(cfg.train.seed)
         if int(os.environ.get("RANK", "0")) == 0:  # before joining the group: a bad path stops the run now
             world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -93,7 +110,12 @@ class Trainer:
                 cfg, world_size, resume=resume, train_shards=loader is None, sizes=False
             )
             preflight.raise_for_errors(report.problems)
+        if torch.cuda.is_available():  # PyTorch's Flight Recorder on for NCCL, a user's settings first
+            for key, value in flight_recorder_env(Path(cfg.train.output_dir) / "flight_recorder").items():
+                os.environ.setdefault(key, value)
         self.rank, self.world_size, self.device = init_process_group()
+        self.watchdog.rank, self.watchdog.world_size = self.rank, self.world_size
+        self.watchdog.connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
         self.is_main = self.rank == 0
         self.output_dir = Path(cfg.train.output_dir)
         self.checkpoint_root = self.output_dir / "checkpoints"
@@ -189,9 +211,13 @@ class Trainer:
         self._running_stats = running_statistics(self.engine.module)
         self._running_stats_before: list[torch.Tensor] | None = None
         self.contrastive_step = self._contrastive_step(layout)
+        self.contrastive_step.note = self.watchdog.set_phase
+        self.watchdog.describe = self._hang_detail
         self.step, self.epoch, self.micro_in_epoch = 0, 0, 0
         self.unmasked = False
         self._saved_step: int | None = None  # the step whose state this run saved (or resumed, unchanged)
+        self._saved_at = time.monotonic()  # when that was (train.save_every_minutes counts from there)
+        self.preemption: Preemption | None = None  # while train() runs: a stop asked for
         self._loader_position: dict[str, Any] | None = None  # the resumed epoch's data position
         if self.resume_from is not None:
             folder, universal = self.resume_from
@@ -216,6 +242,12 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------------------
 
     def train(self) -> dict[str, float]:
+        """Train to the end; a stop asked for (a signal, the launcher's end) saves and raises Preempted."""
+        self._saved_at = time.monotonic()  # train.save_every_minutes counts from training's start
+        with Preemption(self.cfg.train.preempt_signal) as self.preemption:
+            return self._train()
+
+    def _train(self) -> dict[str, float]:
         cfg = self.cfg.train
         progress = self._progress_bar()
         data_wait = DataWait(
@@ -223,17 +255,19 @@ class Trainer:
         )
         shown: dict[str, str] = {}  # the progress bar's last data wait fraction
         while self.step < self.total_steps:
-            for images, tokens, indices, *keys in data_wait.batches(self._epoch_batches):
+            for images, tokens, indices, *keys in self._watched(data_wait.batches(self._epoch_batches)):
                 self._maybe_unmask()
                 metrics = self.train_step(images, tokens, indices, *keys)
                 if metrics is None:  # accumulating: no optimizer step yet
                     continue
                 data_wait.step_ended()  # after train_step read the loss: the device finished the step
                 self.step += 1
-                self._count_bad_steps(metrics)  # raises NonFiniteSteps after train.max_skipped_steps
+                stop, save_now = self._agree(metrics)  # raises NonFiniteSteps after train.max_skipped_steps
                 progress.update(1)
                 progress.set_postfix(loss=f"{metrics['loss']:.3f}", **shown, refresh=False)
                 self._log_step(metrics)
+                if stop:
+                    self._stop_preempted()  # saves, raises Preempted
                 if self.step % cfg.log_every_steps == 0 or self.step == self.total_steps:
                     metrics.update(self._skipped_samples())  # a collective: every rank logs at this step
                     perf = self._data_wait_window(data_wait)  # a collective too
@@ -243,16 +277,38 @@ class Trainer:
                     self._log(perf, prefix="")
                 if self.cfg.eval.every_steps and self.step % self.cfg.eval.every_steps == 0:
                     self.evaluate()
-                if cfg.save_every_steps and self.step % cfg.save_every_steps == 0:
+                if save_now or (cfg.save_every_steps and self.step % cfg.save_every_steps == 0):
                     self.save()
                 if self.step >= self.total_steps:
                     break
             else:  # the epoch ran to its end
                 self.epoch, self.micro_in_epoch = self.epoch + 1, 0
         progress.close()
+        self.watchdog.set_phase("finish", self.step)
         if self._saved_step != self.step:  # even over a checkpoint of this step that an earlier run left
             self.save()
         return self.evaluate(final=True)
+
+    def _watched(self, batches):
+        """The loop's micro-batches, the watchdog told whenever the rank waits for one."""
+        iterator = iter(batches)
+        while True:
+            self.watchdog.set_phase("loader", self.step)
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            yield batch
+
+    def _hang_detail(self) -> str:
+        """For a hang's report: the last collective the loss entered, the loader's workers."""
+        parts = []
+        if getattr(self.loss.gatherer, "last", None):
+            parts.append(f"the last collective its loss entered: {self.loss.gatherer.last}")
+        workers = getattr(self.loader, "worker_pids", None)
+        if workers:
+            parts.append(f"its training loader's workers: pids {', '.join(map(str, workers))}")
+        return "; ".join(parts)
 
     def train_step(self, images, tokens, indices, keys=None) -> dict[str, float] | None:
         """One micro-batch; returns metrics when it completed an optimizer step, else None. ``keys``: the
@@ -343,17 +399,44 @@ class Trainer:
             set_group_lr if groups else None,
         )
 
-    def _count_bad_steps(self, metrics: dict[str, float]) -> None:
+    def _agree(self, metrics: dict[str, float]) -> tuple[bool, bool]:
+        """The step boundary's one collective, a MAX over ranks of: this step was bad (below), a stop was
+        asked for (engine/preemption.py: one rank may have the signal), rank 0's clock says save
+        (train.save_every_minutes: every rank saves at the same step). Returns (stop, save now)."""
+        bad = not (metrics["step_applied"] and metrics["loss_finite"])
+        stop = self.preemption is not None and self.preemption.requested is not None
+        minutes = self.cfg.train.save_every_minutes
+        due = self.is_main and minutes > 0 and time.monotonic() - self._saved_at >= minutes * 60
+        flags = torch.tensor([float(bad), float(stop), float(due)], device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        bad, stop, due = (bool(flag) for flag in flags.tolist())
+        if self.preemption is not None:
+            self.preemption.step_ended()
+        self._count_bad_steps(bad, metrics)
+        return stop, due
+
+    def _stop_preempted(self) -> None:
+        """Save this step's checkpoint (unless there is one) and raise Preempted (engine/preemption.py)."""
+        what = self.preemption.requested or "another rank was asked to stop"
+        started = time.monotonic()
+        if self._saved_step != self.step:
+            self.save()
+        seconds, folder = (
+            time.monotonic() - started,
+            self.checkpoint_root / checkpoint.tag_for_step(self.step),
+        )
+        raise Preempted(
+            f"step {self.step}: {what}; checkpoint {folder} complete after {seconds:.1f} s: resume with "
+            f"--resume latest (exit code {PREEMPTED_EXIT_CODE})"
+        )
+
+    def _count_bad_steps(self, bad: bool, metrics: dict[str, float]) -> None:
         """Count the optimizer steps in a row that DeepSpeed skipped (non-finite gradients: ZeRO, bf16's
         check, fp16's scaler) or whose loss was not finite (applied anyway: fp32 without ZeRO), and stop
         after ``train.max_skipped_steps`` of them. One rank's loss may be finite where another's is not, so
-        the verdict is reduced over ranks: every rank stops at the same step."""
-        bad = torch.tensor(
-            [float(not (metrics["step_applied"] and metrics["loss_finite"]))], device=self.device
-        )
-        if self.world_size > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        self.bad_steps = self.bad_steps + 1 if bad.item() else 0
+        ``bad`` is the verdict over ranks (``_agree``): every rank stops at the same step."""
+        self.bad_steps = self.bad_steps + 1 if bad else 0
         before, self._running_stats_before = self._running_stats_before, None
         if self.bad_steps:
             # the forward passes updated BatchNorm's running statistics from the non-finite batch even
@@ -438,6 +521,7 @@ class Trainer:
         # those, which would also delete an older good checkpoint (train.keep_checkpoints)
         if self.bad_steps and not self._weights_finite():
             self._stop(f"the weights are no longer finite after {self.bad_steps} non-finite step(s) in a row")
+        started = time.monotonic()
         state = {
             "step": self.step,
             "epoch": self.epoch,
@@ -457,26 +541,32 @@ class Trainer:
             position = self.loader.state_dict() if hasattr(self.loader, "state_dict") else None
             checkpoint.save_rank_state(folder, self.rank, {"rng": rng_state(), "loader": position})
 
-        folder = checkpoint.save_checkpoint(
-            self.engine,
-            self.checkpoint_root,
-            self.step,
-            state,
-            keep=self.cfg.train.keep_checkpoints,
-            write_extra=write_extra,
-            marker={
-                "global_batch": self.layout.global_batch,
-                "micro_batch": self.layout.micro_batch,
-                "grad_accum_steps": self.layout.grad_accum_steps,
-                "precision": precision_of(self.engine),
-                # what a resumed run compares its own config with before it builds anything
-                "config": state["config"],
-                "deepspeed": self.deepspeed_settings,
-            },
-        )
-        self._saved_step = self.step
+        with self.watchdog.phase("save"):
+            folder = checkpoint.save_checkpoint(
+                self.engine,
+                self.checkpoint_root,
+                self.step,
+                state,
+                keep=self.cfg.train.keep_checkpoints,
+                write_extra=write_extra,
+                marker={
+                    "global_batch": self.layout.global_batch,
+                    "micro_batch": self.layout.micro_batch,
+                    "grad_accum_steps": self.layout.grad_accum_steps,
+                    "precision": precision_of(self.engine),
+                    # what a resumed run compares its own config with before it builds anything
+                    "config": state["config"],
+                    "deepspeed": self.deepspeed_settings,
+                },
+            )
+        self._saved_step, self._saved_at = self.step, time.monotonic()
         if self.is_main:
             log.info("saved checkpoint %s", folder)
+            budget = self.preemption.save_took(self._saved_at - started) if self.preemption else None
+            if budget:
+                log.log(logging.WARNING if "more than" in budget else logging.INFO, "%s", budget)
+        if self.preemption is not None:
+            self.preemption.mark()  # the next step's time leaves the save out
         return folder
 
     def _plan_resume(self, resume: str | None) -> tuple[Path, Path | None] | None:
@@ -666,14 +756,15 @@ class Trainer:
         if self._evaluated is not None and self._evaluated["step"] == self.step:
             results = {k: v for k, v in self._evaluated.items() if k not in ("step", "epoch")}
         elif eval_cfg.zeroshot_dir or eval_cfg.imagenet_val or eval_cfg.retrieval_shards:
-            results = evaluate_model(
-                self.engine.module,
-                self.bundle,
-                eval_cfg,
-                device=self.device,
-                dtype=self.input_dtype,
-                collectives=Gatherer.from_process_group(),
-            )
+            with self.watchdog.phase("evaluation"):
+                results = evaluate_model(
+                    self.engine.module,
+                    self.bundle,
+                    eval_cfg,
+                    device=self.device,
+                    dtype=self.input_dtype,
+                    collectives=Gatherer.from_process_group(),
+                )
             self._evaluated = {"step": self.step, "epoch": self.epoch, **results}
             if self.is_main:
                 self._eval_log.write(json.dumps(self._evaluated) + "\n")
@@ -685,6 +776,8 @@ class Trainer:
             print(format_results(results), flush=True)
             summary = {"step": self.step, **results}
             (self.output_dir / "final_metrics.json").write_text(json.dumps(summary, indent=2))
+        if self.preemption is not None:
+            self.preemption.mark()  # the next step's time leaves the evaluation out
         return results
 
     def _skipped_samples(self) -> dict[str, float]:
@@ -746,29 +839,7 @@ class Trainer:
         )
 
 
-# ---- process-level helpers ---------------------------------------------------------------------------
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's random generators: Python's, NumPy's, torch's (CPU; CUDA where there is one)."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+# ---- the step log and the engine's parameters ----------------------------------------------------------
 
 
 #: one line of metrics per optimizer step, in train.output_dir
@@ -793,85 +864,6 @@ def open_step_log(path: Path, step: int):
     return open(path, "a")
 
 
-def init_process_group() -> tuple[int, int, torch.device]:
-    """Start (or join) DeepSpeed's process group; returns (rank, world size, this rank's device)."""
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    accelerator = get_accelerator()
-    if accelerator.device_name() == "cpu":
-        # ranks on one machine share its cores: without this each rank starts one thread per core
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-        keep_freed_host_memory()
-    _default_rendezvous_env()
-    deepspeed.init_distributed()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if accelerator.device_name() != "cpu":
-        accelerator.set_device(local_rank)
-    device = torch.device(
-        accelerator.device_name(local_rank) if accelerator.device_name() != "cpu" else "cpu"
-    )
-    if accelerator.device_name() == "cpu":
-        unlink_shm_allreduce_buffer()
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def unlink_shm_allreduce_buffer() -> bool:
-    """Remove this rank's name of DeepSpeed's CPU all-reduce buffer from /dev/shm; returns whether it did.
-
-    DeepSpeed's shm comm op (CPU accelerator, all ranks on one host) creates a 67 MB
-    ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`` per rank and never removes it: every
-    launch leaked them until /dev/shm filled up. Once every rank has mapped every buffer (the barrier),
-    the names can go: the mappings stay valid until the processes exit, and then the memory is freed,
-    however a process ends."""
-    name = (
-        f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
-        f"{os.environ.get('MASTER_PORT')}_{dist.get_rank()}"
-    )
-    dist.barrier()  # every rank opens every other rank's buffer by name during initialisation
-    try:
-        os.unlink(name)
-    except FileNotFoundError:  # ranks on several hosts: DeepSpeed uses no shared buffer
-        return False
-    return True
-
-
-def keep_freed_host_memory() -> bool:
-    """Make glibc's malloc keep freed memory for reuse instead of handing it back to the OS.
-
-    A training step on CPU allocates the same large buffers every time (gradients, optimizer temporaries,
-    DeepSpeed's copies). By default glibc returns them to the OS when freed, and the next step pays a page
-    fault for every 4 KiB it touches again. Blocks over 32 MiB (the most glibc's mmap threshold accepts) are
-    always fresh mappings unless mmap is switched off: for ViT-B-16 at batch 8 that is DeepSpeed's 300 MB
-    gradient partition, rebuilt every step, and the token embedding's gradient, about 75,000 faults and
-    0.5 s a step on 2 cores. Returns False where there is no glibc (nothing changes then).
-    """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_top_pad, m_mmap_max = -1, -2, -4
-    return all(
-        (
-            mallopt(m_trim_threshold, 2**31 - 1),  # never trim the heap's free top
-            mallopt(m_top_pad, 2**30),  # grow the heap in 1 GiB steps
-            mallopt(m_mmap_max, 0),  # every block from the heap, none from a fresh mmap (freed at once)
-        )
-    )
-
-
-def _default_rendezvous_env() -> None:
-    """Let ``eva-fastclip train`` run as one process without the launcher (on a free local port)."""
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(key, value)
-
-
 def precision_of(engine) -> str:
     """bf16, fp16 or fp32: the precision ``engine`` trains in."""
     return "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
@@ -893,11 +885,3 @@ def write_full_parameter_(param: torch.nn.Parameter, value: float) -> None:
     safe_set_full_fp32_param(param, full)
     with torch.no_grad():
         param.fill_(value)
-
-
-def memory_in_use_gib() -> float:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
-    import psutil
-
-    return psutil.Process().memory_info().rss / 2**30

@@ -23,6 +23,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from eva_fastclip.data.workers import ignore_stop_signals
+
 log = logging.getLogger(__name__)
 
 #: image members as clip_benchmark's webdataset builder reads them, in its order of preference
@@ -151,6 +153,7 @@ def share_loader(
         # CPython 3.11's after-fork cleanup (seen: rank 1's worker waiting in _PyThreadState_DeleteExcept,
         # the other rank waiting for it). A forkserver forks the workers from a single-threaded process.
         multiprocessing_context=_worker_context() if workers else None,
+        worker_init_fn=ignore_stop_signals,  # a stop request is honoured after the evaluation
     )
     return iter(loader)
 

@@ -27,6 +27,7 @@ class Gatherer:
         self.rank = rank
         self.world_size = world_size
         self.traffic: Counter[str] = Counter()
+        self.last: str | None = None  # the purpose of the last collective entered (a hang's report names it)
 
     @classmethod
     def from_process_group(cls) -> Gatherer:
@@ -35,6 +36,7 @@ class Gatherer:
         return cls()
 
     def _count(self, purpose: str, tensor: torch.Tensor) -> None:
+        self.last = purpose
         if self.world_size > 1:
             self.traffic[purpose] += tensor.numel() * tensor.element_size()
 
