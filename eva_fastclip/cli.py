@@ -263,6 +263,7 @@ def cmd_train(args) -> int:
     preflight.raise_for_errors(report.problems, log_warnings=False)  # the Trainer logs the warnings
     if args.dry_run:
         return 0
+    from eva_fastclip.engine.checkpoint import CheckpointWriteError
     from eva_fastclip.engine.preemption import PREEMPTED_EXIT_CODE, Preempted
     from eva_fastclip.engine.trainer import NonFiniteSteps, Trainer
     from eva_fastclip.engine.watchdog import Watchdog
@@ -281,6 +282,10 @@ def cmd_train(args) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"eva-fastclip train: preempted: {err}", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
+    except CheckpointWriteError as err:  # nothing of it left behind; the last complete one is intact
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"eva-fastclip train: stopped: {err}", file=sys.stderr)
+        return 4
     return 0
 
 

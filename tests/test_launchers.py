@@ -31,7 +31,10 @@ def fake_bin(tmp_path):
 
 
 def launch(fake_bin, **env):
-    base = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "NUM_GPUS")}
+    # (an in-process Trainer of an earlier test set MASTER_PORT here, to the port its store still holds)
+    base = {
+        k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "NUM_GPUS", "MASTER_PORT")
+    }
     base["PATH"] = f"{fake_bin}:{base['PATH']}"
     return subprocess.run(
         ["bash", str(SCRIPT), "cfg.json", "--resume", "latest"],

@@ -59,7 +59,7 @@ def train_args(data: Path, out: Path, *extra: str) -> list[str]:
 class Run:
     """``deepspeed --num_gpus 2 --module eva_fastclip ARGS`` in a session of its own."""
 
-    def __init__(self, args: list[str], log: Path) -> None:
+    def __init__(self, args: list[str], log: Path, preexec_fn=None) -> None:
         deepspeed = str(Path(sys.executable).parent / "deepspeed")
         self.log = log
         self.out = open(log, "w")  # noqa: SIM115 (closed in wait)
@@ -75,6 +75,7 @@ class Run:
         self.proc = subprocess.Popen(
             [*command, *args],
             cwd=REPO, env=launcher_env(), stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=preexec_fn,
         )  # fmt: skip
         self.output_dir = Path(next(a.split("=", 1)[1] for a in args if a.startswith("train.output_dir=")))
 

@@ -14,6 +14,11 @@ through DeepSpeed's universal checkpoint: ``convert_to_universal`` writes ``step
 beside the original (once; it is reused) and ``load_checkpoint`` loads it with ``load_universal``, and
 the rest of the module (frozen parameters, persistent buffers) from the original's saved module. The
 original stays as it is: it holds every rank's own files, which no other layout can replace.
+
+A save that fails (no space left, a file too large, any write error of the OS) on any rank fails on every
+rank together: the ranks agree on it before the marker, the staging folder is removed, and every rank
+raises :class:`CheckpointWriteError` naming the folder, the error and the bytes a checkpoint takes beside
+the space left. The previous complete checkpoint and ``latest`` are untouched; the run stops.
 """
 
 from __future__ import annotations
@@ -42,6 +47,10 @@ RANK_STATE = "rank_state"  # one file per rank: its RNG states and its data posi
 UNIVERSAL = ".universal"
 _STAGING, _REPLACED, _DELETING = ".saving", ".replaced", ".deleting"
 _TAG = re.compile(r"^step_(\d{8,})$")
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written on some rank; nothing of it was left, the last one is intact."""
 
 
 def tag_for_step(step: int) -> str:
@@ -152,10 +161,14 @@ def save_checkpoint(
         root.mkdir(parents=True, exist_ok=True)
         recover(root)  # also deletes a torn staging folder of this very step
     _barrier()
-    engine.save_checkpoint(str(root), tag=staging.name, client_state=client_state, save_latest=False)
-    if write_extra is not None:
-        write_extra(staging)
-    _barrier()  # every rank's files are written
+    failure = None
+    try:
+        engine.save_checkpoint(str(root), tag=staging.name, client_state=client_state, save_latest=False)
+        if write_extra is not None:
+            write_extra(staging)
+    except (OSError, RuntimeError) as err:  # torch.save reports the OS's write errors as RuntimeError
+        failure = f"rank {rank}: {err}"
+    _raise_if_a_rank_failed(failure, root, staging)  # (a collective: every rank's files are written)
     # every rank flushes every file: on a filesystem that hosts share, only the host that wrote a file can
     # flush it, and which files DeepSpeed writes on which rank depends on its configuration
     fsync_tree(staging)
@@ -385,6 +398,53 @@ def _load_module_rest(module: torch.nn.Module, folder: Path) -> None:
     with torch.no_grad():
         for name in wanted:
             current[name].copy_(saved[name].to(current[name].dtype))
+
+
+def _raise_if_a_rank_failed(failure: str | None, root: Path, staging: Path) -> None:
+    """Every rank learns whether any rank's writes failed; if one did, the staging folder goes and every
+    rank raises CheckpointWriteError with the first rank's error, the size of a checkpoint and the space
+    left."""
+    failures = [failure]
+    if dist.is_initialized():
+        failures = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, failure)
+    failed = [f for f in failures if f]
+    if not failed:
+        return
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    complete = complete_checkpoints(root)
+    size = sum(p.stat().st_size for p in complete[-1].rglob("*") if p.is_file()) if complete else None
+    if complete:
+        needed = f"the last complete checkpoint, {complete[-1]}, takes {_size(size)} and is intact"
+    else:
+        needed = "there is no complete checkpoint yet"
+    free = shutil.disk_usage(root).free
+    _barrier()
+    if rank == 0:
+        with contextlib.suppress(OSError):
+            _remove(staging)
+    _barrier()
+    raise CheckpointWriteError(
+        f"saving {staging.with_suffix('')} failed ({failed[0]}; {len(failed)} of {len(failures)} rank(s) "
+        f"failed); {needed}; {_size(free)} are left on the file system of {root}{_likely_cause(size, free)}. "
+        "The run stops: make room (or fix the write error), then resume with --resume latest"
+    )
+
+
+def _likely_cause(size: int | None, free: int) -> str:
+    """What torch.save's own message hides: no space, or a limit on the size of a file."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        return f"; this process may write at most {_size(limit)} to a file (RLIMIT_FSIZE, ulimit -f)"
+    if size is not None and free < size:
+        return f"; less than a checkpoint's {_size(size)}: the file system is full"
+    return ""
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _barrier() -> None:
