@@ -434,6 +434,12 @@ class TrainConfig:
     preempt_signal: str | None = None
     """A signal that asks for a checkpoint and a stop, besides SIGTERM and SIGINT, e.g. "SIGUSR1" for SLURM's
     --signal (docs/reliability.md). The run saves at the next optimizer step and exits with code 75."""
+    straggler_factor: float = 1.5
+    """A rank whose own work per step (its forwards and its waits for its loader) exceeds the ranks' median
+    by this factor in train.straggler_windows logging windows in a row is named with its host in a warning
+    (docs/reliability.md). 0: measured and logged, never warned about."""
+    straggler_windows: int = 5
+    """Logging windows in a row a rank must be behind before it is named."""
     keep_checkpoints: int = 2
     """Complete checkpoints kept; older ones are deleted only after a newer one is complete."""
     log_every_steps: int = 10
@@ -474,6 +480,12 @@ class TrainConfig:
         _positive("train.save_every_steps", self.save_every_steps, allow_zero=True)
         _positive("train.save_every_minutes", self.save_every_minutes, allow_zero=True)
         _positive("train.hang_timeout_s", self.hang_timeout_s, allow_zero=True)
+        _positive("train.straggler_windows", self.straggler_windows)
+        if self.straggler_factor and self.straggler_factor <= 1:
+            raise ConfigError(
+                f"train.straggler_factor={self.straggler_factor} must be above 1 (how many times the ranks' "
+                "median a rank's own time must be to be named), or 0 to never warn"
+            )
         _positive("train.hang_timeout_long_s", self.hang_timeout_long_s, allow_zero=True)
         if self.hang_timeout_s and self.hang_timeout_long_s < self.hang_timeout_s:
             raise ConfigError(

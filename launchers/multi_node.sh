@@ -5,6 +5,8 @@
 # MASTER_PORT (default 29500) is the port rank 0 listens on. Options after the config go to
 # `eva-fastclip train` (--set key=value, --resume latest). Each passes through a shell on every host once
 # more: a --set whose value holds quotes (a JSON list of paths) belongs in the config file instead.
+# MAX_RESTARTS=N reruns a failed run with --resume latest up to N times, leaving out hosts that no longer
+# answer ssh while at least MIN_NODES (default 1) remain (docs/reliability.md).
 # tests/test_multi_node.py runs this script across two loopback "hosts" (docs/launching.md).
 set -euo pipefail
 config=${1:?usage: multi_node.sh CONFIG.json [eva-fastclip train options]}
@@ -18,5 +20,6 @@ if ! grep -q '^PATH=' .deepspeed_env 2>/dev/null; then
     [ ! -s .deepspeed_env ] || [ -z "$(tail -c 1 .deepspeed_env)" ] || echo >> .deepspeed_env
     echo "PATH=$PATH" >> .deepspeed_env
 fi
-exec deepspeed --hostfile "$HOSTFILE" --master_addr "$MASTER_ADDR" --master_port "${MASTER_PORT:-29500}" \
+source "$(dirname "$0")/restarts.sh"
+exec "${restarts[@]}" deepspeed --hostfile "$HOSTFILE" --master_addr "$MASTER_ADDR" --master_port "${MASTER_PORT:-29500}" \
     --module eva_fastclip train --config "$config" "$@"

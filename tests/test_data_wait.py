@@ -242,7 +242,7 @@ def slowest_of_two_ranks(rank, port, out):
     clock = FakeClock()
     meter = DataWait(workers=1, samples_per_step=4, world_size=2, clock=clock)
     train(meter, clock, [TimedBatches(clock, [0.0, 1.0 + 2.0 * rank])], compute=1.0)
-    metrics = meter.metrics(slowest_rank(meter.end_window(), torch.device("cpu")))
+    metrics = meter.metrics(slowest_rank(meter.end_window(), torch.device("cpu"))[0])
     dist.destroy_process_group()
     (out / f"{rank}.json").write_text(json.dumps(metrics))
 

@@ -81,7 +81,8 @@ def test_a_stalled_loader_worker_is_named_and_the_run_ends(data, tmp_path):
     run = hanging_run(data, tmp_path, "stalled_worker")
     processes = run.processes()
     rank0 = run.rank(0)
-    workers = rank0.children()
+    # its fork server's children (data/workers.py)
+    workers = [worker for child in rank0.children() for worker in child.children()]
     assert workers, "rank 0 has no loader workers"
     stopped = time.monotonic()
     for worker in workers:

@@ -11,16 +11,19 @@ Two launches in all, shared by every test in this module. Skipped, saying why, w
 missing (``.ci/run`` installs them: Debian packages openssh-server and pdsh).
 """
 
+import contextlib
 import json
 import os
 import pwd
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from launching import free_port
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -42,7 +45,7 @@ def find_tool(name: str) -> str | None:
 
 @pytest.fixture(scope="module")
 def ssh(tmp_path_factory):
-    """An sshd listening on both loopback addresses and a folder with an ``ssh`` that reaches it."""
+    """An sshd on each loopback address (one a "node") and a folder with an ``ssh`` that reaches them."""
     tools = {name: find_tool(name) for name in ("sshd", "ssh", "ssh-keygen", "pdsh")}
     missing = [name for name, path in tools.items() if path is None]
     if missing:
@@ -58,9 +61,8 @@ def ssh(tmp_path_factory):
         subprocess.run([tools["ssh-keygen"], "-q", "-t", "ed25519", "-N", "", "-f", tmp / key], check=True)
     shutil.copy(tmp / "client_key.pub", tmp / "authorized_keys")
     port = free_port()
-    sshd_config = [
+    common = [
         f"Port {port}",
-        *(f"ListenAddress {host}" for host in HOSTS),
         f"HostKey {tmp / 'host_key'}",
         f"AuthorizedKeysFile {tmp / 'authorized_keys'}",
         f"AllowUsers {pwd.getpwuid(os.geteuid()).pw_name}",
@@ -70,7 +72,8 @@ def ssh(tmp_path_factory):
         "StrictModes no",
         "LogLevel VERBOSE",  # logs the address each login came to
     ]
-    (tmp / "sshd_config").write_text("\n".join(sshd_config) + "\n")
+    for i, host in enumerate(HOSTS):  # an sshd a "node", so that one node's can be stopped
+        (tmp / f"sshd_config_{i}").write_text("\n".join([*common, f"ListenAddress {host}"]) + "\n")
     host_key = " ".join((tmp / "host_key.pub").read_text().split()[:2])
     (tmp / "known_hosts").write_text(",".join(f"[{host}]:{port}" for host in HOSTS) + f" {host_key}\n")
     ssh_config = [
@@ -88,23 +91,29 @@ def ssh(tmp_path_factory):
         f'#!/bin/sh\nexec {shlex.quote(tools["ssh"])} -F {shlex.quote(str(tmp / "ssh_config"))} "$@"\n'
     )
     (bin_dir / "ssh").chmod(0o755)
-    log = tmp / "sshd.log"
-    # sshd re-executes itself by the absolute path it was started with; -D: stay our child
-    sshd = subprocess.Popen([tools["sshd"], "-D", "-f", tmp / "sshd_config", "-E", log])
+    log = tmp / "sshd.log"  # both append to it
+    sshd: dict[str, subprocess.Popen] = {}
+
+    def start(host: str) -> None:
+        # sshd re-executes itself by the absolute path it was started with; -D: stay our child
+        config = tmp / f"sshd_config_{HOSTS.index(host)}"
+        sshd[host] = subprocess.Popen([tools["sshd"], "-D", "-f", config, "-E", log])
+        for _ in range(120):  # sshd starts listening within a moment
+            probe = [bin_dir / "ssh", host, "true"]
+            if subprocess.run(probe, capture_output=True, timeout=30).returncode == 0:
+                return
+            assert sshd[host].poll() is None, f"sshd exited:\n{log.read_text()}"
+            time.sleep(0.25)
+        pytest.fail(f"no ssh login to {host}:{port}:\n{log.read_text()}")
+
     try:
         for host in HOSTS:
-            for _ in range(120):  # sshd starts listening within a moment
-                probe = [bin_dir / "ssh", host, "true"]
-                if subprocess.run(probe, capture_output=True, timeout=30).returncode == 0:
-                    break
-                assert sshd.poll() is None, f"sshd exited:\n{log.read_text()}"
-                time.sleep(0.25)
-            else:
-                pytest.fail(f"no ssh login to {host}:{port}:\n{log.read_text()}")
-        yield {"bin": bin_dir, "log": log}
+            start(host)
+        yield {"bin": bin_dir, "log": log, "sshd": sshd, "start": start}
     finally:
-        sshd.terminate()
-        sshd.wait(timeout=30)
+        for server in sshd.values():
+            server.terminate()
+            server.wait(timeout=30)
 
 
 def launch(cmd: list, *, cwd: Path, env: dict[str, str], log: Path) -> str:
@@ -232,3 +241,135 @@ def test_resume_on_one_node_continues_from_the_saved_step(runs):
     assert kept == [checkpoint.tag_for_step(FIRST_STEPS), checkpoint.tag_for_step(TOTAL_STEPS)]
     # the first run logged steps 1..4, the resumed one 5..6: nothing twice, nothing missing
     assert sorted(logged_steps(runs["out"])) == list(range(1, TOTAL_STEPS + 1))
+
+
+def node_processes(config: Path) -> list[psutil.Process]:
+    """Every process of a launch of ``config`` on this machine: both nodes' launchers, their ranks and
+    the ranks' descendants (fork servers, loader workers)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if str(config) in cmdline and any("deepspeed.launcher.launch" in part for part in cmdline):
+            found += [proc, *proc.children(recursive=True)]
+    return found
+
+
+class FaultRun:
+    """launchers/multi_node.sh on both "nodes" with a config of its own, saving every 3 steps."""
+
+    def __init__(self, ssh, tmp_path: Path, steps: int, **env: str) -> None:
+        write_toy_dataset(
+            tmp_path / "toy", num_train=256, num_val=1, num_zeroshot=1, image_size=32, samples_per_shard=64
+        )
+        self.out = tmp_path / "run"
+        config = json.loads((REPO / "configs" / "toy.json").read_text())
+        config["model"]["name"] = "test-vit-xs"
+        config["data"]["train_shards"] = [str(tmp_path / "toy" / "train")]
+        config["eval"] = {"zeroshot_dir": None, "retrieval_shards": None}
+        config["train"].update(
+            deepspeed_config=str(REPO / "ds_configs" / "zero1_lamb.json"),
+            batch_size=8,
+            output_dir=str(self.out),
+            log_every_steps=1,
+            save_every_steps=3,
+            steps=steps,
+        )
+        self.config = tmp_path / "config.json"
+        self.config.write_text(json.dumps(config, indent=2))
+        (tmp_path / "hostfile").write_text("".join(f"{host} slots=1\n" for host in HOSTS))
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("PDSH_")}
+        environ.update(
+            PATH=os.pathsep.join([str(ssh["bin"]), str(Path(sys.executable).parent), os.environ["PATH"]]),
+            PYTHONUNBUFFERED="1",
+            HOSTFILE=str(tmp_path / "hostfile"),
+            MASTER_ADDR=HOSTS[0],
+            MASTER_PORT=str(free_port()),
+            **env,
+        )
+        self.log = tmp_path / "run.log"
+        self.output = open(self.log, "w")  # noqa: SIM115 (closed in wait)
+        self.proc = subprocess.Popen(
+            [REPO / "launchers" / "multi_node.sh", self.config],
+            cwd=tmp_path, env=environ, stdout=self.output, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+
+    def wait_for_step(self, step: int) -> None:
+        steps, deadline = self.out / "train_log.jsonl", time.monotonic() + 300
+        while not (steps.exists() and len(steps.read_text().splitlines()) >= step):
+            assert self.proc.poll() is None, self.log.read_text()[-4000:]
+            assert time.monotonic() < deadline, f"step {step} not reached"
+            time.sleep(0.1)
+
+    def node(self, node_rank: int) -> list[psutil.Process]:
+        """Node ``node_rank``'s launch.py, its rank and the rank's descendants."""
+        processes = node_processes(self.config)
+        (launch,) = [p for p in processes if f"--node_rank={node_rank}" in " ".join(p.cmdline())]
+        return [launch, *launch.children(recursive=True)]
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.output.close()
+
+    def latest_step(self) -> int:
+        latest = checkpoint.resolve_resume("latest", self.out / "checkpoints")
+        assert latest is not None and checkpoint.is_complete(latest)
+        return checkpoint.read_marker(latest)["step"]
+
+
+def test_a_rank_killed_on_the_second_node_ends_the_run_on_both_within_a_minute(ssh, tmp_path):
+    """SIGKILL to node 2's rank mid-run: node 1's rank fails in its next collective (the peer's sockets
+    closed), every launcher exits, and the ``deepspeed`` command returns non-zero, with the default
+    settings; ``latest`` still names a complete checkpoint."""
+    run = FaultRun(ssh, tmp_path, steps=5000)
+    run.wait_for_step(7)  # past the save of step 6
+    processes = node_processes(run.config)
+    (rank,) = [p for p in run.node(1) if "--local_rank=0" in p.cmdline()]
+    killed = time.monotonic()
+    rank.kill()
+    code = run.wait(timeout=300)
+    runner_done = time.monotonic() - killed
+    _, alive = psutil.wait_procs(processes, timeout=max(1.0, 60 - runner_done))
+    all_done = time.monotonic() - killed
+    print(
+        f"node 2's rank SIGKILLed: the deepspeed command returned {code} after {runner_done:.1f} s, "
+        f"every process of both nodes gone after {all_done:.1f} s"
+    )
+    assert code != 0
+    assert not alive, f"left behind: {[(p.pid, p.cmdline()[-4:]) for p in alive if p.is_running()]}"
+    assert all_done < 60, run.log.read_text()[-4000:]
+    assert run.latest_step() >= 6
+
+
+def test_a_lost_node_is_left_out_and_the_run_goes_on_by_itself(ssh, tmp_path):
+    """MAX_RESTARTS=1 MIN_NODES=1: every process of node 2 killed and its sshd stopped mid-run. The run
+    fails, the restart supervisor finds node 2 gone, and the run goes on from its last checkpoint on node
+    1 alone (1 rank: the global batch and every-sample-once hold across the change) to its last step."""
+    run = FaultRun(ssh, tmp_path, steps=14, MAX_RESTARTS="1", MIN_NODES="1")
+    run.wait_for_step(7)
+    node2 = HOSTS[1]
+    server = psutil.Process(ssh["sshd"][node2].pid)
+    lost = time.monotonic()
+    try:
+        for proc in [*run.node(1), *server.children(recursive=True), server]:  # its sessions, then it
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        ssh["sshd"][node2].wait(timeout=30)
+        code = run.wait(timeout=600)
+    finally:
+        ssh["start"](node2)  # for whatever runs after
+    text = run.log.read_text()
+    (restart,) = [line for line in text.splitlines() if "restart 1 of 1:" in line]
+    resumed = next(line for line in text.splitlines() if "resumed from" in line)
+    steps = [json.loads(line) for line in (run.out / "train_log.jsonl").read_text().splitlines()]
+    print(f"node 2 lost: {restart.split('] ', 1)[1][:160]}; then {resumed.strip()[-80:]}")
+    assert code == 0, text[-4000:]
+    assert f"hosts {node2} do not answer ssh: going on with 1" in text
+    assert "resuming from step 6 (" in restart or "resuming from step 9 (" in restart, restart
+    assert "dist_world_size=1" in text
+    assert steps[-1]["step"] == 14 and run.latest_step() == 14
+    first_after = time.monotonic() - lost  # an upper bound: the run has ended
+    print(f"from node 2's loss to the end of the run: {first_after:.1f} s")

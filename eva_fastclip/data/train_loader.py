@@ -54,7 +54,7 @@ from .tar_reader import (
     shard_samples,
 )
 from .urls import expand_urls
-from .workers import ignore_stop_signals
+from .workers import ignore_stop_signals, worker_context
 
 logger = logging.getLogger(__name__)
 
@@ -339,6 +339,8 @@ class TrainLoader:
             batch_size=None,
             num_workers=self.workers,
             persistent_workers=False,
+            # not forked from the rank, whose previous loader's threads may be exiting (data/workers.py)
+            multiprocessing_context=worker_context() if self.workers else None,
             pin_memory=self.pin_memory,  # page-locked batches: the copy to the GPU runs asynchronously
             # a generator of its own for the workers' base seed (which nothing uses): starting a loader
             # must not draw from the global one, which masks patches in the training step

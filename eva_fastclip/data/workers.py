@@ -1,14 +1,28 @@
-"""Loader worker processes keep working through a request to stop.
+"""Loader worker processes: started from a fork server, and working on through a request to stop.
+
+A worker forked straight from a rank can hang for good in CPython 3.11's after-fork cleanup when a helper
+thread of the rank (a previous loader's pin-memory or feeder thread, an evaluation loader's) is exiting
+at that moment (seen: rank 1's evaluation worker waiting in _PyThreadState_DeleteExcept, the other rank
+waiting for it). Both loaders start their workers from a fork server instead: one single-threaded
+process, started once per rank, that forks each worker.
 
 DeepSpeed's launch.py sends SIGTERM (after SIGINT) to every process of a rank's tree, and a scheduler's
 signal may reach them all: a worker killed by it would end the step in flight with a broken loader,
 while the rank itself finishes that step and saves a checkpoint (engine/preemption.py). So workers ignore
 the signals that ask a run to stop, and go when their rank does (PyTorch's workers watch their parent).
+Ignoring SIGTERM also defeats the ``terminate()`` that multiprocessing sends its daemonic children when the
+rank's interpreter exits, and then joins them: a rank leaving with a loader iterator alive (an exception
+out of the loop) would wait for its worker forever. So the rank kills its workers at exit first.
 """
 
 from __future__ import annotations
 
+import atexit
+import ctypes
+import functools
+import multiprocessing
 import signal
+import sys
 
 #: the signals that ask a run to stop: launchers, schedulers (SLURM's --signal), a closed terminal
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
@@ -20,3 +34,48 @@ def ignore_stop_signals(worker_id: int | None = None) -> None:
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.set_wakeup_fd(-1)
+    die_with_parent()  # its fork server, which dies with the rank
+
+
+def die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent ends, however it ends (SIGKILL, os._exit after a
+    second stop signal): a fork server and its workers must not outlive their rank. Elsewhere a no-op."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def worker_context() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context of every loader's workers: a fork server, shared by the rank's loaders.
+    It imports what the workers need once (open_clip: its tokenizers travel to each worker), so a
+    worker starts in a fraction of a second rather than after seconds of imports."""
+    _kill_workers_at_exit()
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(
+        [
+            "eva_fastclip.data.fork_server",  # first: the server dies with its rank
+            "torch",
+            "PIL.Image",
+            "open_clip",
+            "eva_fastclip.data.train_loader",
+            "eva_fastclip.evaluation.samples",
+        ]
+    )
+    return context
+
+
+@functools.cache
+def _kill_workers_at_exit() -> None:
+    # registered after multiprocessing's own exit function, so it runs first (atexit is last in, first out)
+    atexit.register(_kill_daemonic_children)
+
+
+def _kill_daemonic_children() -> None:
+    """SIGKILL the loader workers still alive at exit (daemonic children: multiprocessing would only
+    terminate() them, which they ignore, and then wait for them)."""
+    workers = [child for child in multiprocessing.active_children() if child.daemon]
+    if workers:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # PyTorch's handler would report them as failures
+    for worker in workers:
+        worker.kill()
+        worker.join()

@@ -30,6 +30,7 @@ phase of its work to ``note`` (the hang watchdog's: engine/watchdog.py).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,8 +83,11 @@ def held_memory(layout, embed_dim: int, image_shape: tuple[int, ...], image_byte
     )
 
 
-def _forward(engine, model_input: ModelInput, batch: MicroBatch):
-    image_features, text_features, logit_scale = engine(model_input(batch.images), batch.tokens)[:3]
+def _forward(
+    engine, model_input: ModelInput, batch: MicroBatch, timed: Callable[[], contextlib.AbstractContextManager]
+):
+    with timed():  # the rank's own work, no collective: what tells a straggler (engine/stragglers.py)
+        image_features, text_features, logit_scale = engine(model_input(batch.images), batch.tokens)[:3]
     # the loss runs in fp32 whatever the module's precision: logits of a large batch need the range
     return image_features.float(), text_features.float(), logit_scale.float()
 
@@ -98,13 +102,16 @@ class MicroBatchStep:
     def __init__(self, engine, loss: ContrastiveLoss, model_input: ModelInput) -> None:
         self.engine, self.loss, self.model_input = engine, loss, model_input
         self.note: Callable[[str], None] = _no_note
+        self.timed: Callable[[], contextlib.AbstractContextManager] = (
+            contextlib.nullcontext
+        )  # times each forward
 
     def add(self, batch: MicroBatch) -> tuple[list[LossOutput], bool]:
         engine, note = self.engine, self.note
         # the keys stay set over the backward: a checkpointed forward runs again there
         with keyed_masks(engine.module, batch.keys):
             note("forward")
-            image_features, text_features, logit_scale = _forward(engine, self.model_input, batch)
+            image_features, text_features, logit_scale = _forward(engine, self.model_input, batch, self.timed)
             note("loss (its collectives: feature gather, per-sample state)")
             out = self.loss(image_features, text_features, logit_scale, batch.indices)
             note("backward (and its gradient reduction)")
@@ -123,6 +130,9 @@ class CachedStep:
     def __init__(self, engine, loss: ContrastiveLoss, model_input: ModelInput, micro_batches: int) -> None:
         self.engine, self.loss, self.model_input = engine, loss, model_input
         self.note: Callable[[str], None] = _no_note
+        self.timed: Callable[[], contextlib.AbstractContextManager] = (
+            contextlib.nullcontext
+        )  # times each forward
         self.micro_batches = micro_batches
         self._running_stats = running_statistics(engine.module)
         self._saved_stats: list[torch.Tensor] = []
@@ -137,7 +147,7 @@ class CachedStep:
         self._rng.append(_rng_state(batch.images.device))
         self.note("forward without autograd (pass 1)")
         with torch.no_grad(), keyed_masks(engine.module, batch.keys):  # pass 1: this micro-batch's features
-            self._features.append(_forward(engine, self.model_input, batch))
+            self._features.append(_forward(engine, self.model_input, batch, self.timed))
         self._held.append(batch)
         if len(self._held) < self.micro_batches:
             return [], False
@@ -165,7 +175,9 @@ class CachedStep:
                 _set_rng_state(rng[micro])  # the random draws of its pass 1
                 with keyed_masks(engine.module, batch.keys):
                     self.note("forward (pass 2)")
-                    image_features, text_features, logit_scale = _forward(engine, self.model_input, batch)
+                    image_features, text_features, logit_scale = _forward(
+                        engine, self.model_input, batch, self.timed
+                    )
                     out = loss.cached_forward(image_features, text_features, logit_scale, micro)
                     self.note("backward (and its gradient reduction)")
                     engine.backward(out.loss)

@@ -62,20 +62,27 @@ class Window:
     def wait_fraction(self) -> float:
         return self.wait / self.wall if self.wall > 0 else 0.0
 
-    def slowest(self, wait_fraction: float, startup: float) -> Window:
-        """This window with the slowest rank's wait fraction and start-up (MAX over ranks); the steps'
-        time is the same on every rank (each step ends in the gradient all-reduce)."""
-        return dataclasses.replace(self, wait=wait_fraction * self.wall, startup=startup)
+    def slowest(self, wall: float, wait_fraction: float, startup: float) -> Window:
+        """This window with the slowest rank's wait fraction and start-up (MAX over ranks), and the
+        longest wall time: each step ends in the gradient all-reduce, so they differ only by the time
+        the ranks take to leave it, and every rank must decide on the same figures."""
+        return dataclasses.replace(self, wall=wall, wait=wait_fraction * wall, startup=startup)
 
 
-def slowest_rank(window: Window, device: torch.device) -> Window:
-    """``window`` with the largest wait fraction and start-up over the ranks (one small all-reduce; every
-    rank calls it)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return window
-    values = torch.tensor([window.wait_fraction, window.startup], dtype=torch.float64, device=device)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return window.slowest(*values.tolist())
+def slowest_rank(window: Window, device: torch.device, forward: float = 0.0) -> tuple[Window, torch.Tensor]:
+    """``window`` with the largest wait fraction and start-up over the ranks, and every rank's own work
+    in it as rows of [forward seconds, seconds waiting for the loader] (engine/stragglers.py; ``forward``:
+    this rank's). One small all-gather; every rank calls it."""
+    row = torch.tensor(
+        [window.wall, window.wait_fraction, window.startup, forward, window.wait], dtype=torch.float64
+    )
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        rows = [torch.empty_like(row, device=device) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, row.to(device))
+        ranks = torch.stack(rows).cpu()
+    else:
+        ranks = row[None]
+    return window.slowest(*ranks[:, :3].max(dim=0).values.tolist()), ranks[:, 3:]
 
 
 def workers_needed(wait_fraction: float, workers: int) -> int | None:

@@ -2,19 +2,17 @@
 
 Set-up order: config (validated before we get here) → seed → pre-flight checks of paths (rank 0,
 engine/preflight.py) → process group (engine/process.py; the hang watchdog's heartbeats start) → the
-checkpoint to resume (its conversion for another number of
-ranks, the accumulation that keeps its global batch) → model (temperature controller, kernels) → data →
-its schedule checks → loss → precision and DeepSpeed JSON → engine → the step's loss evaluations
-(engine/contrastive_step.py: per micro-batch, or cached over the whole step) → resume (the RNG states last)
-→ TensorBoard writer and step log. One "step" is one optimizer step (``train.grad_accum_steps``
-micro-batches).
+checkpoint to resume (its conversion for another number of ranks, the accumulation that keeps its global
+batch) → model (temperature controller, kernels) → data → its schedule checks → loss → precision and
+DeepSpeed JSON → engine → the step's loss evaluations (engine/contrastive_step.py: per micro-batch, or
+cached over the whole step) → resume (the RNG states last) → TensorBoard writer and step log. One "step" is
+one optimizer step (``train.grad_accum_steps`` micro-batches). Each logging window compares the ranks' own
+work (engine/stragglers.py) and their data wait (engine/data_wait.py) in one all-gather.
 
 ``train()`` catches the signals that ask for a stop and saves at the next step boundary
 (engine/preemption.py); the command line runs it under the hang watchdog (engine/watchdog.py), whose phases
-the trainer names.
-
-The loop stops after ``train.max_skipped_steps`` steps in a row that DeepSpeed skipped or whose loss was
-not finite, and never saves non-finite weights: the last complete checkpoint stays the one to resume.
+the trainer names. It stops after ``train.max_skipped_steps`` steps in a row that DeepSpeed skipped or whose
+loss was not finite, and never saves non-finite weights: the last complete checkpoint stays the one to resume.
 """
 
 from __future__ import annotations
@@ -67,6 +65,7 @@ from eva_fastclip.engine.setup import (
     resolve_precision,
     retarget_schedule,
 )
+from eva_fastclip.engine.stragglers import ForwardTimer, Stragglers
 from eva_fastclip.engine.watchdog import Watchdog, flight_recorder_env
 from eva_fastclip.losses import Gatherer, build_loss
 from eva_fastclip.models import create_model
@@ -212,6 +211,9 @@ class Trainer:
         self._running_stats_before: list[torch.Tensor] | None = None
         self.contrastive_step = self._contrastive_step(layout)
         self.contrastive_step.note = self.watchdog.set_phase
+        self.forward_timer = ForwardTimer(self.device)  # the rank's own work, against the others'
+        self.contrastive_step.timed = self.forward_timer
+        self.stragglers = Stragglers(cfg.train.straggler_factor, cfg.train.straggler_windows)
         self.watchdog.describe = self._hang_detail
         self.step, self.epoch, self.micro_in_epoch = 0, 0, 0
         self.unmasked = False
@@ -270,7 +272,7 @@ class Trainer:
                     self._stop_preempted()  # saves, raises Preempted
                 if self.step % cfg.log_every_steps == 0 or self.step == self.total_steps:
                     metrics.update(self._skipped_samples())  # a collective: every rank logs at this step
-                    perf = self._data_wait_window(data_wait)  # a collective too
+                    perf = self._perf_window(data_wait)  # a collective too
                     if "perf/data_wait_fraction" in perf:
                         shown = {"data": f"{perf['perf/data_wait_fraction']:.0%}"}
                     self._log(metrics)
@@ -302,10 +304,8 @@ class Trainer:
 
     def _hang_detail(self) -> str:
         """For a hang's report: the last collective the loss entered, the loader's workers."""
-        parts = []
-        if getattr(self.loss.gatherer, "last", None):
-            parts.append(f"the last collective its loss entered: {self.loss.gatherer.last}")
-        workers = getattr(self.loader, "worker_pids", None)
+        last, workers = getattr(self.loss.gatherer, "last", None), getattr(self.loader, "worker_pids", None)
+        parts = [f"the last collective its loss entered: {last}"] if last else []
         if workers:
             parts.append(f"its training loader's workers: pids {', '.join(map(str, workers))}")
         return "; ".join(parts)
@@ -803,14 +803,17 @@ class Trainer:
             self._skips_reported = total
         return {"data/skipped": total, **{f"data/skipped/{reason}": n for reason, n in counts.items()}}
 
-    def _data_wait_window(self, data_wait: DataWait) -> dict[str, float]:
+    def _perf_window(self, data_wait: DataWait) -> dict[str, float]:
         """The logging window's perf/* metrics with the slowest rank's data wait (MAX over ranks: it holds
-        the others back); rank 0 warns when the loader held the steps back. Every rank calls it."""
-        window = slowest_rank(data_wait.end_window(), self.device)
-        warning = data_wait.warning(window, self.step)
-        if warning and self.is_main:
-            log.warning(warning)
-        return data_wait.metrics(window)
+        the others back) and the stragglers' figures; rank 0 warns when the loader held the steps back or
+        a rank was behind the others. Every rank calls it (one all-gather)."""
+        window, ranks = slowest_rank(data_wait.end_window(), self.device, self.forward_timer.take())
+        step_seconds = window.wall / window.steps if window.steps else 0.0
+        stragglers, named = self.stragglers.end_window(*ranks.T, window.steps, step_seconds, self.step)
+        for warning in (data_wait.warning(window, self.step), named):
+            if warning and self.is_main:
+                log.warning(warning)
+        return {**data_wait.metrics(window), **stragglers}
 
     def _log(self, metrics: dict[str, float], prefix: str = "train/") -> None:
         if not self.is_main:

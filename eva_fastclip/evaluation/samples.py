@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import logging
-import multiprocessing
 import os
 import tarfile
 from collections.abc import Callable, Iterator, Sequence
@@ -23,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from eva_fastclip.data.workers import ignore_stop_signals
+from eva_fastclip.data.workers import ignore_stop_signals, worker_context
 
 log = logging.getLogger(__name__)
 
@@ -148,18 +147,8 @@ def share_loader(
         batch_sampler=batches,
         collate_fn=_collate,
         num_workers=workers,
-        # Evaluation runs between training steps, while helper threads of the training loader and of the
-        # previous set's loader may be exiting. A worker forked at that moment can hang for good in
-        # CPython 3.11's after-fork cleanup (seen: rank 1's worker waiting in _PyThreadState_DeleteExcept,
-        # the other rank waiting for it). A forkserver forks the workers from a single-threaded process.
-        multiprocessing_context=_worker_context() if workers else None,
+        # not forked from the rank, whose loader threads may be exiting (data/workers.py)
+        multiprocessing_context=worker_context() if workers else None,
         worker_init_fn=ignore_stop_signals,  # a stop request is honoured after the evaluation
     )
     return iter(loader)
-
-
-def _worker_context():
-    context = multiprocessing.get_context("forkserver")
-    # what the workers need, imported once in the server rather than in every worker
-    context.set_forkserver_preload(["torch", "PIL.Image", "eva_fastclip.evaluation.samples"])
-    return context

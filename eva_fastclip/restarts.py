@@ -1,0 +1,198 @@
+"""Restart a failed run by itself: ``MAX_RESTARTS=N`` for launchers/single_node.sh and multi_node.sh.
+
+    python -m eva_fastclip.restarts --max-restarts N [--min-nodes M] -- deepspeed ... train --config C ...
+
+runs the ``deepspeed`` command; when it fails, it runs it again with ``--resume latest``, up to N times,
+logging one line per restart: the exit code and what it means, and the step the run goes on from. Not
+restarted: success, a configuration error (2: it would fail the same way), too many non-finite steps (3:
+the same data gives the same steps again), a checkpoint that could not be written (4: the disk is still
+full), a preemption (75: the scheduler requeues it) and a stop asked of this process (SIGTERM, Ctrl-C:
+passed on to the run, which saves and exits; docs/reliability.md).
+
+With ``--hostfile`` in the command (multi_node.sh), each host is probed over ssh before a restart
+(DeepSpeed reaches them the same way); those that do not answer are left out of a hostfile written beside
+the original (``<hostfile>.live``), and the run goes on with the rest when at least ``--min-nodes``
+remain. A lost first host hands ``--master_addr`` to the first one left. The global batch and every sample
+once an epoch hold across the change of rank count (docs/checkpoints.md).
+
+Why a loop around ``deepspeed`` and not torch elastic's agent: runs start with ``deepspeed --hostfile``
+(pdsh over ssh, one launch.py a node), which the agent does not drive, and DeepSpeed's own elastic
+training is broken on torch 2.x; the loop keeps that launch and adds only the restart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+#: exit codes that a restart would not cure, and what they mean
+NOT_RESTARTED = {
+    2: "a configuration or input error",
+    3: "too many non-finite steps in a row",
+    4: "a checkpoint could not be written",
+    75: "preempted (resumable: the scheduler requeues it)",
+}
+#: what the other failures usually mean (the ranks' own codes pass through launch.py and pdsh)
+CAUSES = {1: "a rank failed", 124: "a hang (a rank's watchdog)", 255: "a node lost (ssh ended)"}
+PROBE_TIMEOUT_S = 10
+
+
+def log(message: str) -> None:
+    print(f"[restarts {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def cause(code: int) -> str:
+    if code < 0 or code > 128:  # killed by a signal (negative from Python, 128+N from a shell)
+        number = -code if code < 0 else code - 128
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = str(number)
+        return CAUSES.get(code, f"killed by signal {name}")
+    return CAUSES.get(code, NOT_RESTARTED.get(code, "a failure"))
+
+
+def option(command: list[str], name: str) -> str | None:
+    """The value of ``name`` in ``command`` (``--name value`` or ``--name=value``), else None."""
+    for i, arg in enumerate(command):
+        if arg == name and i + 1 < len(command):
+            return command[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def with_option(command: list[str], name: str, value: str) -> list[str]:
+    """``command`` with ``name`` set to ``value`` (replaced where it is, appended otherwise)."""
+    out, i, replaced = [], 0, False
+    while i < len(command):
+        if command[i] == name and i + 1 < len(command):
+            out += [name, value]
+            i, replaced = i + 2, True
+            continue
+        if command[i].startswith(name + "="):
+            out.append(f"{name}={value}")
+            replaced = True
+        else:
+            out.append(command[i])
+        i += 1
+    return out if replaced else [*out, name, value]
+
+
+def resumed_step(command: list[str]) -> str:
+    """The step ``--resume latest`` goes on from: the last complete checkpoint of the run's output folder."""
+    from eva_fastclip.config import load_config
+    from eva_fastclip.engine import checkpoint
+
+    train = command[command.index("train") + 1 :] if "train" in command else []
+    overrides = [train[i + 1] for i, arg in enumerate(train[:-1]) if arg == "--set"]
+    try:
+        cfg = load_config(option(train, "--config"), overrides)
+        latest = checkpoint.resolve_resume("latest", Path(cfg.train.output_dir) / "checkpoints")
+    except Exception as err:  # noqa: BLE001 (the run itself will say what is wrong)
+        return f"the last complete checkpoint (not read here: {err})"
+    if latest is None:
+        return "step 0 (no complete checkpoint yet)"
+    return f"step {checkpoint.read_marker(latest)['step']} ({latest})"
+
+
+def answering_hosts(hostfile: Path) -> tuple[list[str], list[str]]:
+    """The hostfile's lines whose host answers ssh, and the hosts that do not."""
+    live, lost = [], []
+    for line in hostfile.read_text().splitlines():
+        host = line.split("#", 1)[0].split()
+        if not host:
+            continue
+        probe = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={PROBE_TIMEOUT_S}", host[0], "true"]
+        try:
+            ok = subprocess.run(probe, capture_output=True, timeout=PROBE_TIMEOUT_S + 5).returncode == 0
+        except subprocess.TimeoutExpired:
+            ok = False
+        (live if ok else lost).append(line if ok else host[0])
+    return live, lost
+
+
+def surviving_nodes(command: list[str], min_nodes: int) -> list[str] | None:
+    """``command`` for the hosts that still answer, or None when fewer than ``min_nodes`` do."""
+    hostfile = option(command, "--hostfile")
+    if hostfile is None:
+        return command
+    live, lost = answering_hosts(Path(hostfile))
+    if not lost:
+        return command
+    if len(live) < min_nodes:
+        log(f"hosts {', '.join(lost)} do not answer ssh; {len(live)} left, fewer than MIN_NODES={min_nodes}")
+        return None
+    live_file = Path(hostfile).with_name(Path(hostfile).name.removesuffix(".live") + ".live")
+    live_file.write_text("\n".join(live) + "\n")
+    log(f"hosts {', '.join(lost)} do not answer ssh: going on with {len(live)} ({live_file})")
+    command = with_option(command, "--hostfile", str(live_file))
+    master = option(command, "--master_addr")
+    if master in lost:
+        first = live[0].split()[0]
+        log(f"--master_addr {master} is lost: rank 0 moves to {first}")
+        command = with_option(command, "--master_addr", first)
+    return command
+
+
+def run(command: list[str]) -> int:
+    """Run ``command``; a SIGTERM or SIGINT to this process is passed on (the run saves and exits)."""
+    proc = subprocess.Popen(command)
+    stopping = []
+
+    def pass_on(signum, _frame):
+        stopping.append(signum)
+        proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 + stopping[0] if stopping else code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m eva_fastclip.restarts", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--max-restarts", type=int, required=True)
+    parser.add_argument("--min-nodes", type=int, default=1)
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the deepspeed command")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command or args.max_restarts < 0 or args.min_nodes < 1:
+        parser.error("give MAX_RESTARTS >= 0, MIN_NODES >= 1 and the command after --")
+    restarts = 0
+    while True:
+        started = time.monotonic()
+        code = run(command)
+        if code == 0:
+            return 0
+        if code in NOT_RESTARTED or code in (128 + signal.SIGTERM, 128 + signal.SIGINT):
+            why = NOT_RESTARTED.get(code, "a stop was asked for")
+            log(f"the run exited with code {code}: {why}; not restarted")
+            return code
+        if restarts >= args.max_restarts:
+            log(f"the run exited with code {code} ({cause(code)}) after {restarts} restart(s): no more")
+            return code
+        next_command = surviving_nodes(command, args.min_nodes)
+        if next_command is None:
+            return code
+        restarts += 1
+        command = with_option(next_command, "--resume", "latest")
+        took = time.monotonic() - started
+        log(
+            f"restart {restarts} of {args.max_restarts}: the run exited with code {code} ({cause(code)}) "
+            f"after {took:.0f} s; resuming from {resumed_step(command)}: {shlex.join(command)}"
+        )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
