@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import pwd
+import re
 import shlex
 import shutil
 import signal
@@ -140,15 +141,14 @@ def logged_steps(run_dir: Path) -> list[int]:
     return steps
 
 
-@pytest.fixture(scope="module")
-def runs(ssh, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("multi_node")
+def two_node_run(ssh, tmp: Path, **train) -> dict[str, str]:
+    """Toy shards, ``tmp/config.json`` (the toy config with ``train``'s values) and a hostfile of both
+    "nodes" under ``tmp``; the launchers' environment. Every value is in the config file: on the way
+    through pdsh the remote shell would strip the quotes of a --set with a JSON list of strings
+    (docs/launching.md)."""
     write_toy_dataset(
         tmp / "toy", num_train=256, num_val=1, num_zeroshot=1, image_size=32, samples_per_shard=64, seed=0
     )
-    out = tmp / "run"
-    # every value in the config file: on the way through pdsh the remote shell would strip the quotes of
-    # a --set with a JSON list of strings (docs/launching.md)
     config = json.loads((REPO / "configs" / "toy.json").read_text())
     config["model"]["name"] = "test-vit-xs"
     config["data"]["train_shards"] = [str(tmp / "toy" / "train")]
@@ -156,24 +156,29 @@ def runs(ssh, tmp_path_factory):
     config["train"].update(
         deepspeed_config=str(REPO / "ds_configs" / "zero1_lamb.json"),
         batch_size=8,
-        output_dir=str(out),
         log_every_steps=1,
-        keep_checkpoints=2,
+        **train,
     )
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     (tmp / "hostfile").write_text("".join(f"{host} slots=1\n" for host in HOSTS))
-    work = tmp / "work"  # the launch directory: multi_node.sh writes .deepspeed_env here, not in the checkout
-    work.mkdir()
-
-    venv_bin = Path(sys.executable).parent
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSH_")}
     env.update(
-        PATH=os.pathsep.join([str(ssh["bin"]), str(venv_bin), os.environ["PATH"]]),
+        PATH=os.pathsep.join([str(ssh["bin"]), str(Path(sys.executable).parent), os.environ["PATH"]]),
         PYTHONUNBUFFERED="1",
         HOSTFILE=str(tmp / "hostfile"),
         MASTER_ADDR=HOSTS[0],
         MASTER_PORT=str(free_port()),
     )
+    return env
+
+
+@pytest.fixture(scope="module")
+def runs(ssh, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("multi_node")
+    out = tmp / "run"
+    env = two_node_run(ssh, tmp, output_dir=str(out), keep_checkpoints=2)
+    work = tmp / "work"  # the launch directory: multi_node.sh writes .deepspeed_env here, not in the checkout
+    work.mkdir()
     sshd_log_start = ssh["log"].stat().st_size
     two_nodes = launch(
         [REPO / "launchers" / "multi_node.sh", tmp / "config.json", "--set", f"train.steps={FIRST_STEPS}"],
@@ -246,51 +251,30 @@ def test_resume_on_one_node_continues_from_the_saved_step(runs):
 def node_processes(config: Path) -> list[psutil.Process]:
     """Every process of a launch of ``config`` on this machine: both nodes' launchers, their ranks and
     the ranks' descendants (fork servers, loader workers)."""
-    found = []
+    found = {}
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = proc.info["cmdline"] or []
-        if str(config) in cmdline and any("deepspeed.launcher.launch" in part for part in cmdline):
-            found += [proc, *proc.children(recursive=True)]
-    return found
+        if str(config) in cmdline and "deepspeed.launcher.launch" in cmdline:  # (pdsh's has it too)
+            found.update((p.pid, p) for p in [proc, *proc.children(recursive=True)])
+    return list(found.values())
 
 
 class FaultRun:
     """launchers/multi_node.sh on both "nodes" with a config of its own, saving every 3 steps."""
 
-    def __init__(self, ssh, tmp_path: Path, steps: int, **env: str) -> None:
-        write_toy_dataset(
-            tmp_path / "toy", num_train=256, num_val=1, num_zeroshot=1, image_size=32, samples_per_shard=64
-        )
-        self.out = tmp_path / "run"
-        config = json.loads((REPO / "configs" / "toy.json").read_text())
-        config["model"]["name"] = "test-vit-xs"
-        config["data"]["train_shards"] = [str(tmp_path / "toy" / "train")]
-        config["eval"] = {"zeroshot_dir": None, "retrieval_shards": None}
-        config["train"].update(
-            deepspeed_config=str(REPO / "ds_configs" / "zero1_lamb.json"),
-            batch_size=8,
-            output_dir=str(self.out),
-            log_every_steps=1,
-            save_every_steps=3,
-            steps=steps,
-        )
-        self.config = tmp_path / "config.json"
-        self.config.write_text(json.dumps(config, indent=2))
-        (tmp_path / "hostfile").write_text("".join(f"{host} slots=1\n" for host in HOSTS))
-        environ = {k: v for k, v in os.environ.items() if not k.startswith("PDSH_")}
-        environ.update(
-            PATH=os.pathsep.join([str(ssh["bin"]), str(Path(sys.executable).parent), os.environ["PATH"]]),
-            PYTHONUNBUFFERED="1",
-            HOSTFILE=str(tmp_path / "hostfile"),
-            MASTER_ADDR=HOSTS[0],
-            MASTER_PORT=str(free_port()),
+    def __init__(self, ssh, tmp_path: Path, steps: int, train: dict | None = None, **env: str) -> None:
+        self.out, self.config = tmp_path / "run", tmp_path / "config.json"
+        env = {
+            **two_node_run(
+                ssh, tmp_path, output_dir=str(self.out), save_every_steps=3, steps=steps, **(train or {})
+            ),
             **env,
-        )
+        }
         self.log = tmp_path / "run.log"
         self.output = open(self.log, "w")  # noqa: SIM115 (closed in wait)
         self.proc = subprocess.Popen(
             [REPO / "launchers" / "multi_node.sh", self.config],
-            cwd=tmp_path, env=environ, stdout=self.output, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=tmp_path, env=env, stdout=self.output, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
 
     def wait_for_step(self, step: int) -> None:
@@ -303,7 +287,13 @@ class FaultRun:
     def node(self, node_rank: int) -> list[psutil.Process]:
         """Node ``node_rank``'s launch.py, its rank and the rank's descendants."""
         processes = node_processes(self.config)
-        (launch,) = [p for p in processes if f"--node_rank={node_rank}" in " ".join(p.cmdline())]
+        # (pdsh's ssh to the node has the same arguments)
+        launches = [
+            p
+            for p in processes
+            if p.name().startswith("python") and "deepspeed.launcher.launch" in p.cmdline()
+        ]
+        (launch,) = [p for p in launches if f"--node_rank={node_rank}" in p.cmdline()]
         return [launch, *launch.children(recursive=True)]
 
     def wait(self, timeout: float) -> int:
@@ -313,6 +303,20 @@ class FaultRun:
             if self.proc.poll() is None:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.output.close()
+
+    def signal_node2_rank(self, send) -> tuple[int, float, float, list[psutil.Process]]:
+        """At step 7 (past the save of step 6), ``send(node 2's rank)``; then the launch's exit code, the
+        seconds until the ``deepspeed`` command returned and until every process of the run had ended
+        (waiting up to 60 s from the signal), and those still alive."""
+        self.wait_for_step(7)
+        processes = node_processes(self.config)
+        (rank,) = [p for p in self.node(1) if "--local_rank=0" in p.cmdline()]
+        sent = time.monotonic()
+        send(rank)
+        code = self.wait(timeout=300)
+        runner_done = time.monotonic() - sent
+        _, alive = psutil.wait_procs(processes, timeout=max(1.0, 60 - runner_done))
+        return code, runner_done, time.monotonic() - sent, [p for p in alive if p.is_running()]
 
     def latest_step(self) -> int:
         latest = checkpoint.resolve_resume("latest", self.out / "checkpoints")
@@ -325,23 +329,57 @@ def test_a_rank_killed_on_the_second_node_ends_the_run_on_both_within_a_minute(s
     closed), every launcher exits, and the ``deepspeed`` command returns non-zero, with the default
     settings; ``latest`` still names a complete checkpoint."""
     run = FaultRun(ssh, tmp_path, steps=5000)
-    run.wait_for_step(7)  # past the save of step 6
-    processes = node_processes(run.config)
-    (rank,) = [p for p in run.node(1) if "--local_rank=0" in p.cmdline()]
-    killed = time.monotonic()
-    rank.kill()
-    code = run.wait(timeout=300)
-    runner_done = time.monotonic() - killed
-    _, alive = psutil.wait_procs(processes, timeout=max(1.0, 60 - runner_done))
-    all_done = time.monotonic() - killed
+    code, runner_done, all_done, alive = run.signal_node2_rank(psutil.Process.kill)
     print(
         f"node 2's rank SIGKILLed: the deepspeed command returned {code} after {runner_done:.1f} s, "
         f"every process of both nodes gone after {all_done:.1f} s"
     )
     assert code != 0
-    assert not alive, f"left behind: {[(p.pid, p.cmdline()[-4:]) for p in alive if p.is_running()]}"
+    assert not alive, f"left behind: {[(p.pid, p.cmdline()[-4:]) for p in alive]}"
     assert all_done < 60, run.log.read_text()[-4000:]
     assert run.latest_step() >= 6
+
+
+def test_a_stopped_rank_on_the_second_node_ends_the_run_on_both(ssh, tmp_path):
+    """SIGSTOP to node 2's rank, its node's only one: rank 0's watchdog ends the hang and marks the run
+    aborted, node 2's guardian SIGKILLs the stopped rank, and every launcher exits (before the guardians,
+    node 2's launch.py waited for its stopped rank for good)."""
+    run = FaultRun(ssh, tmp_path, steps=5000, train={"hang_timeout_s": 8})
+    code, runner_done, all_done, alive = run.signal_node2_rank(psutil.Process.suspend)
+    text = run.log.read_text()
+    print(
+        f"node 2's rank stopped: the deepspeed command returned {code} after {runner_done:.1f} s, every "
+        f"process of both nodes gone after {all_done:.1f} s (train.hang_timeout_s=8)"
+    )
+    assert code != 0
+    assert not alive, f"left behind: {[(p.pid, p.cmdline()[-4:]) for p in alive]}"
+    assert "no progress for" in text and "guardian of rank 1: rank 0 (" in text and "ended a hang" in text, (
+        text[-4000:]
+    )
+    assert run.latest_step() >= 6
+
+
+def test_sigterm_to_the_deepspeed_command_saves_on_both_nodes_and_exits_75(ssh, tmp_path):
+    """A scheduler's SIGTERM to the launch: DeepSpeed's runner pkills every node's launcher through pdsh,
+    each launcher passes SIGTERM to its rank, and the ranks finish the step in flight, save it together
+    and exit with 75 (preempted); nothing of the run is left, and no step is lost."""
+    run = FaultRun(ssh, tmp_path, steps=5000)
+    run.wait_for_step(7)
+    processes = node_processes(run.config)
+    signalled = time.monotonic()
+    run.proc.send_signal(signal.SIGTERM)  # multi_node.sh execs deepspeed: this is the runner
+    run.wait(timeout=120)
+    _, alive = psutil.wait_procs(processes, timeout=60)
+    gone = time.monotonic() - signalled
+    text = run.log.read_text()
+    logged = len((run.out / "train_log.jsonl").read_text().splitlines())
+    print(
+        f"SIGTERM to the deepspeed command: saved step {run.latest_step()} of {logged} logged, every "
+        f"process of both nodes gone {gone:.1f} s after the signal"
+    )
+    assert not alive, f"left behind: {[(p.pid, p.cmdline()[-4:]) for p in alive if p.is_running()]}"
+    assert text.count("exits with return code = 75") == 2 or "preempted" in text, text[-4000:]
+    assert run.latest_step() == logged  # the step in flight was saved: nothing lost
 
 
 def test_a_lost_node_is_left_out_and_the_run_goes_on_by_itself(ssh, tmp_path):
@@ -352,24 +390,33 @@ def test_a_lost_node_is_left_out_and_the_run_goes_on_by_itself(ssh, tmp_path):
     run.wait_for_step(7)
     node2 = HOSTS[1]
     server = psutil.Process(ssh["sshd"][node2].pid)
+    step_log = run.out / "train_log.jsonl"
+    before = step_log.stat().st_ino  # the resumed run rewrites the log without the steps it trains again
     lost = time.monotonic()
+    first_step = None  # seconds from the loss to the first step after the restart
     try:
         for proc in [*run.node(1), *server.children(recursive=True), server]:  # its sessions, then it
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.kill()
         ssh["sshd"][node2].wait(timeout=30)
-        code = run.wait(timeout=600)
+        while run.proc.poll() is None and time.monotonic() - lost < 600:
+            resumed = re.search(r"restart 1 of 1: .* resuming from step (\d+)", run.log.read_text())
+            rewritten = resumed and step_log.stat().st_ino != before
+            if first_step is None and rewritten and len(step_log.read_text().splitlines()) > int(resumed[1]):
+                first_step = time.monotonic() - lost
+            time.sleep(0.1)
+        code = run.wait(timeout=60)
     finally:
         ssh["start"](node2)  # for whatever runs after
     text = run.log.read_text()
     (restart,) = [line for line in text.splitlines() if "restart 1 of 1:" in line]
     resumed = next(line for line in text.splitlines() if "resumed from" in line)
     steps = [json.loads(line) for line in (run.out / "train_log.jsonl").read_text().splitlines()]
-    print(f"node 2 lost: {restart.split('] ', 1)[1][:160]}; then {resumed.strip()[-80:]}")
+    print(f"node 2 lost: {restart.split('] ', 1)[1][:110]}; then {resumed.strip()[-60:]}")
+    print(f"from node 2's loss to the first step after the restart: {first_step:.1f} s")
     assert code == 0, text[-4000:]
     assert f"hosts {node2} do not answer ssh: going on with 1" in text
     assert "resuming from step 6 (" in restart or "resuming from step 9 (" in restart, restart
     assert "dist_world_size=1" in text
     assert steps[-1]["step"] == 14 and run.latest_step() == 14
-    first_after = time.monotonic() - lost  # an upper bound: the run has ended
-    print(f"from node 2's loss to the end of the run: {first_after:.1f} s")
+    assert first_step is not None

@@ -54,7 +54,7 @@ from .tar_reader import (
     shard_samples,
 )
 from .urls import expand_urls
-from .workers import ignore_stop_signals, worker_context
+from .workers import ignore_stop_signals, start_worker_server, worker_context
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +203,8 @@ class TrainLoader:
         self._skipped_before = [0] * len(SKIP_REASONS)  # skips of the iterations before this one
         self._skips: dict[int, tuple[int, ...]] = {}  # worker -> its skips up to its latest batch yielded
         self.worker_pids: list[int] = []  # the current epoch's loader workers
+        if workers:
+            start_worker_server()
 
     @staticmethod
     def _shard_cum_weights(per_source: list[list[str]], weights: Sequence[float] | None) -> list[float]:

@@ -64,6 +64,15 @@ def worker_context() -> multiprocessing.context.BaseContext:
     return context
 
 
+def start_worker_server() -> None:
+    """Start the fork server now: its imports (seconds) then overlap the rank's own start-up (model,
+    engine) instead of delaying the first batch."""
+    from multiprocessing import forkserver
+
+    worker_context()
+    forkserver.ensure_running()
+
+
 @functools.cache
 def _kill_workers_at_exit() -> None:
     # registered after multiprocessing's own exit function, so it runs first (atexit is last in, first out)

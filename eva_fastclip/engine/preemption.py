@@ -59,13 +59,16 @@ class Preemption:
         self._saved: dict[int, object] = {}
         self._mark = time.monotonic()
         self.step_s = 0.0  # the longest optimizer step seen (evaluations and saves left out)
+        self._steps = 0  # the first one, with its one-off start-up work, does not count
         self._budget_told = False
 
     # ---- what a stop costs --------------------------------------------------------------------------
 
     def step_ended(self) -> None:
-        now = time.monotonic()
-        self.step_s, self._mark = max(self.step_s, now - self._mark), now
+        now, self._steps = time.monotonic(), self._steps + 1
+        if self._steps > 1:
+            self.step_s = max(self.step_s, now - self._mark)
+        self._mark = now
 
     def mark(self) -> None:
         """Work between steps (evaluation, a save) ended: the next step is timed from here."""

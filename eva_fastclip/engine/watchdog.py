@@ -7,9 +7,9 @@ allowance, ``train.hang_timeout_s`` for the work of a step and a batch from the 
 ``train.hang_timeout_long_s`` for start-up (process group, model, engine, a checkpoint's load), the first
 step, evaluations and saves. When a phase outlasts its allowance the rank logs what it was doing (step,
 phase, the last collective its loss entered), which ranks it is waiting for (below) and the stacks of its
-threads, and exits with :data:`HANG_EXIT_CODE`. DeepSpeed's launch.py then ends the node's other ranks
-(SIGTERM, SIGKILL 30 s later: a stopped process takes the SIGKILL) and exits non-zero; the ranks of other
-nodes wait in a collective for the gone rank and their own watchdogs end them the same way.
+threads, marks the run aborted in the store and exits with :data:`HANG_EXIT_CODE`. Every rank's guardian
+(engine/guardian.py, a process of its own) then SIGKILLs its rank, a stopped one included, so every node's
+launch.py exits non-zero and the ``deepspeed`` command returns.
 
 Which ranks: every rank writes a heartbeat (its step, phase and time) to the process group's store every
 :data:`HEARTBEAT_S` seconds over a connection of its own. A rank whose heartbeat is stale is stopped or
@@ -65,6 +65,7 @@ class Watchdog:
         self._store = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._guardian = None  # engine/guardian.py: ends this rank if it is stopped when the run ends
 
     @property
     def enabled(self) -> bool:
@@ -80,6 +81,9 @@ class Watchdog:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self._guardian is not None:
+            self._guardian.kill()
+            self._guardian.wait()
 
     # ---- what the rank is doing ---------------------------------------------------------------------
 
@@ -105,8 +109,13 @@ class Watchdog:
         return self.long_timeout_s if phase in LONG_PHASES or self.step == 0 else self.timeout_s
 
     def connect_store(self, host: str, port: int) -> None:
-        """Heartbeats from now on, through a connection of this thread's own to the group's store."""
+        """Heartbeats from now on, through a connection of this thread's own to the group's store, and
+        the rank's guardian (engine/guardian.py)."""
         self._store_address = (host, port)
+        if self.enabled and self.world_size > 1 and self._thread is not None:
+            from eva_fastclip.engine.guardian import start_guardian
+
+            self._guardian = start_guardian(os.getpid(), self.rank, host, port, self.timeout_s)
 
     # ---- the thread -----------------------------------------------------------------------------------
 
@@ -192,8 +201,21 @@ class Watchdog:
             handler.flush()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
+        # the other ranks' guardians end theirs, stopped ones included (this one's first: it exits itself)
+        self._abort(f"rank {self.rank} ({socket.gethostname()}) ended a hang in phase '{phase}'")
         _kill_children()  # a stopped loader worker would never notice its rank gone
         os._exit(HANG_EXIT_CODE)
+
+    def _abort(self, why: str) -> None:
+        from eva_fastclip.engine.guardian import ABORT_KEY, POLL_S
+
+        if self._guardian is not None:
+            self._guardian.kill()
+        if self._store_address is not None:
+            with contextlib.suppress(Exception):  # a store that does not answer: its guardians see that
+                self._client().set(ABORT_KEY, why)
+                if self.rank == 0:  # it serves the store: the guardians read the mark before it goes
+                    time.sleep(2 * POLL_S)
 
 
 def _kill_children() -> None:
