@@ -264,11 +264,12 @@ def cmd_train(args) -> int:
     if args.dry_run:
         return 0
     from eva_fastclip.engine.checkpoint import CheckpointWriteError
-    from eva_fastclip.engine.preemption import PREEMPTED_EXIT_CODE, Preempted
+    from eva_fastclip.engine.preemption import PREEMPTED_EXIT_CODE, Preempted, outlive_closed_output
     from eva_fastclip.engine.trainer import NonFiniteSteps, Trainer
     from eva_fastclip.engine.watchdog import Watchdog
 
     flight_recorder = Path(cfg.train.output_dir) / "flight_recorder"
+    outlive_closed_output()  # a stop on several nodes closes the output first (engine/preemption.py)
     try:
         with Watchdog(
             cfg.train.hang_timeout_s, cfg.train.hang_timeout_long_s, dump_dir=flight_recorder

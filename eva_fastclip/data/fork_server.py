@@ -1,8 +1,14 @@
 """Imported by the loaders' fork server only (the first module of its preload list, data/workers.py),
-never by a rank: the server then dies with the rank that started it. Its workers die with it in turn
-(``ignore_stop_signals``), so nothing of a rank is left however the rank ends. A rank must not import
-this module: it would die with its launcher instead of saving (engine/preemption.py)."""
+never by a rank. The server then acts as the workers do: it ignores the stop signals (launch.py sends
+SIGTERM to a rank's whole process tree, and the rank finishes its step and saves first), and dies with the
+rank that started it, however that ends; its workers die with it in turn (``ignore_stop_signals``). A rank
+must not import this module: it would ignore a stop and die with its launcher instead of saving
+(engine/preemption.py)."""
 
-from eva_fastclip.data.workers import die_with_parent
+import signal
 
+from eva_fastclip.data.workers import STOP_SIGNALS, die_with_parent
+
+for _sig in STOP_SIGNALS:
+    signal.signal(_sig, signal.SIG_IGN)
 die_with_parent()

@@ -1,10 +1,10 @@
 """Preemption: a signal asks for a checkpoint, not a kill (Megatron's signal handler, Lightning's requeue).
 
-SIGTERM (a scheduler's preemption, ``kill``), SIGINT (Ctrl-C) and ``train.preempt_signal`` (e.g. SIGUSR1 for
-SLURM's ``--signal``) only raise a flag. At the next optimizer-step boundary the ranks agree on it (the
-trainer's one MAX all-reduce per step), save a checkpoint of that step together and exit with
-:data:`PREEMPTED_EXIT_CODE`, distinct from a failure: a scheduler or a restart loop runs the same command
-again with ``--resume latest``, which goes on exactly.
+SIGTERM (a scheduler's preemption, ``kill``), SIGINT (Ctrl-C), SIGHUP (a closed terminal) and
+``train.preempt_signal`` (e.g. SIGUSR1 for SLURM's ``--signal``) only raise a flag. At the next
+optimizer-step boundary the ranks agree on it (the trainer's one MAX all-reduce per step), save a
+checkpoint of that step together and exit with :data:`PREEMPTED_EXIT_CODE`, distinct from a failure: a
+scheduler or a restart loop runs the same command again with ``--resume latest``, which goes on exactly.
 
 - The flag is raised by a thread woken by the signal itself (``signal.set_wakeup_fd``), not by a Python
   handler: those run only when the main thread gets back to Python, which a rank waiting in a collective
@@ -18,16 +18,23 @@ again with ``--resume latest``, which goes on exactly.
 - A second signal more than :data:`SAME_REQUEST_S` after the first (a launcher's SIGINT and then SIGTERM are
   one request) exits at once with the same code: the last complete checkpoint is intact, since a checkpoint
   is complete only once its marker is written, last (engine/checkpoint.py).
+- A rank outlives its output: on several nodes the runner stops pdsh first, which closes every remote
+  rank's stdout and stderr (the ssh session) before ``launch.py`` passes the SIGTERM on. The next write
+  would raise BrokenPipeError out of a progress bar and end the rank without its save, so the rank's
+  streams drop what they can no longer write (:func:`outlive_closed_output`).
 - A step and a save must fit in the launcher's grace before SIGKILL (:data:`LAUNCHER_GRACE_S`): the trainer
   logs whether they do once it has timed both.
 """
 
 from __future__ import annotations
 
+import errno
+import io
 import logging
 import os
 import select
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -42,6 +49,50 @@ LAUNCHER_GRACE_S = 30.0
 SAME_REQUEST_S = 2.0
 
 
+class _Outliving(io.TextIOBase):
+    """A text stream that drops its writes once its pipe is closed, instead of raising."""
+
+    def __init__(self, stream) -> None:
+        self._stream, self._gone = stream, False
+
+    def write(self, text: str) -> int:
+        if not self._gone:
+            try:
+                return self._stream.write(text)
+            except OSError as err:
+                if err.errno != errno.EPIPE:  # BrokenPipeError; anything else is a real error
+                    raise
+                self._gone = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._gone:
+            try:
+                self._stream.flush()
+            except OSError as err:
+                if err.errno != errno.EPIPE:
+                    raise
+                self._gone = True
+
+    def fileno(self) -> int:  # faulthandler writes the stacks there
+        return self._stream.fileno()
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+
+def outlive_closed_output() -> None:
+    """sys.stdout, sys.stderr and the logging handlers that write to them drop writes to a closed pipe."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if isinstance(stream, _Outliving):
+            continue
+        setattr(sys, name, _Outliving(stream))
+        for handler in logging.getLogger().handlers:
+            if isinstance(handler, logging.StreamHandler) and handler.stream is stream:
+                handler.setStream(getattr(sys, name))
+
+
 class Preempted(Exception):
     """The run saved a checkpoint at a step boundary and stops; the CLI exits with PREEMPTED_EXIT_CODE."""
 
@@ -50,7 +101,7 @@ class Preemption:
     """Within ``with Preemption(...)``: the signals and the launcher's end raise :attr:`requested`."""
 
     def __init__(self, extra_signal: str | None = None, *, watch_launcher: bool = True) -> None:
-        self.signals = {signal.SIGTERM, signal.SIGINT}
+        self.signals = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
         if extra_signal:
             self.signals.add(signal.Signals[extra_signal])
         self.requested: str | None = None  # what asked for it, once something has
