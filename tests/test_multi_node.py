@@ -359,7 +359,7 @@ def test_a_stopped_rank_on_the_second_node_ends_the_run_on_both(ssh, tmp_path):
     assert run.latest_step() >= 6
 
 
-def test_sigterm_to_the_deepspeed_command_saves_on_both_nodes_and_exits_75(ssh, tmp_path):
+def test_sigterm_to_the_deepspeed_command_saves_the_step_in_flight_on_both_nodes(ssh, tmp_path):
     """A scheduler's SIGTERM to the launch: DeepSpeed's runner stops pdsh (which closes the remote ranks'
     output) and pkills every node's launch.py, which passes SIGTERM to its rank's process tree; the ranks
     finish the step in flight, save it together and exit (75); nothing of the run is left, no step lost."""
