@@ -271,3 +271,27 @@ def test_a_stream_that_only_fails_stops_naming_its_shards(tmp_path, tokenize, wo
     message = str(raised.value)
     assert "1000 samples in a row could not be read or used" in message
     assert "from 2 shard(s)" in message and "all-bad.tar" in message and "not-a-tar.tar" in message
+
+
+def test_a_loader_worker_that_dies_ends_the_epoch_naming_it(corpus, tokenize):
+    """SIGKILL to a worker (the OOM killer): the next batch request fails within PyTorch's status check
+    (5 s) naming the worker's pid, although the worker is the fork server's child, not the rank's."""
+    import os
+    import signal
+    import time
+
+    loader = TrainLoader(
+        corpus, preprocess=PREPROCESS, tokenize=tokenize, batch_size=3, num_samples=len(GOOD), workers=2,
+        needs_index=False, shuffle_buffer=0,
+    )  # fmt: skip
+    batches = iter(loader)
+    next(batches)
+    (victim, *_) = loader.worker_pids
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    with pytest.raises(
+        RuntimeError, match=rf"DataLoader worker \(pid\(s\) .*{victim}.*\) exited unexpectedly"
+    ):
+        for _ in batches:
+            pass
+    print(f"a dead loader worker was named {time.monotonic() - killed:.1f} s after its SIGKILL")
