@@ -23,6 +23,8 @@ training is broken on torch 2.x; the loop keeps that launch and adds only the re
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import shlex
 import signal
 import subprocess
@@ -40,6 +42,8 @@ NOT_RESTARTED = {
 #: what the other failures usually mean (the ranks' own codes pass through launch.py and pdsh)
 CAUSES = {1: "a rank failed", 124: "a hang (a rank's watchdog)", 255: "a node lost (ssh ended)"}
 PROBE_TIMEOUT_S = 10
+#: how long the run's processes may outlive its launcher (ranks saving after a stop)
+GROUP_EXIT_S = 60.0
 
 
 def log(message: str) -> None:
@@ -47,8 +51,8 @@ def log(message: str) -> None:
 
 
 def cause(code: int) -> str:
-    if code < 0 or code > 128:  # killed by a signal (negative from Python, 128+N from a shell)
-        number = -code if code < 0 else code - 128
+    if code < 0 or code > 128:  # a signal: -N from Python, 128+N from a shell, 256-N from sys.exit(-N)
+        number = -code if code < 0 else code - 128 if code < 192 else 256 - code
         try:
             name = signal.Signals(number).name
         except ValueError:
@@ -132,6 +136,9 @@ def surviving_nodes(command: list[str], min_nodes: int) -> list[str] | None:
     live_file.write_text("\n".join(live) + "\n")
     log(f"hosts {', '.join(lost)} do not answer ssh: going on with {len(live)} ({live_file})")
     command = with_option(command, "--hostfile", str(live_file))
+    if len(live) == 1 and "--force_multi" not in command:  # else DeepSpeed runs one host's share here
+        at = next(i for i, arg in enumerate(command) if arg.split("=")[0] == "--hostfile")
+        command.insert(at, "--force_multi")
     master = option(command, "--master_addr")
     if master in lost:
         first = live[0].split()[0]
@@ -141,21 +148,42 @@ def surviving_nodes(command: list[str], min_nodes: int) -> list[str] | None:
 
 
 def run(command: list[str]) -> int:
-    """Run ``command``; a SIGTERM or SIGINT to this process is passed on (the run saves and exits)."""
-    proc = subprocess.Popen(command)
+    """Run ``command`` in a process group of its own until every process of the group has ended. A stop
+    signal to this process goes to the whole group: on one node DeepSpeed's runner passes nothing on, and
+    launch.py and the ranks (which save, then exit) would go on without it."""
+    from eva_fastclip.data.workers import STOP_SIGNALS
+
+    proc = subprocess.Popen(command, start_new_session=True)
     stopping = []
 
     def pass_on(signum, _frame):
         stopping.append(signum)
-        proc.send_signal(signum)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signum)
 
-    previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, pass_on) for sig in STOP_SIGNALS}
     try:
         code = proc.wait()
+        deadline = time.monotonic() + GROUP_EXIT_S  # launch.py's SIGKILL comes 30 s after its SIGTERM
+        while _group_alive(proc.pid):
+            if time.monotonic() > deadline:
+                log(f"processes of the run still alive {GROUP_EXIT_S:.0f} s after its launcher: SIGKILL")
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                break
+            time.sleep(0.2)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 128 + stopping[0] if stopping else code
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,13 +197,15 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command or args.max_restarts < 0 or args.min_nodes < 1:
         parser.error("give MAX_RESTARTS >= 0, MIN_NODES >= 1 and the command after --")
+    from eva_fastclip.data.workers import STOP_SIGNALS
+
     restarts = 0
     while True:
         started = time.monotonic()
         code = run(command)
         if code == 0:
             return 0
-        if code in NOT_RESTARTED or code in (128 + signal.SIGTERM, 128 + signal.SIGINT):
+        if code in NOT_RESTARTED or code - 128 in STOP_SIGNALS:
             why = NOT_RESTARTED.get(code, "a stop was asked for")
             log(f"the run exited with code {code}: {why}; not restarted")
             return code

@@ -21,5 +21,5 @@ if ! grep -q '^PATH=' .deepspeed_env 2>/dev/null; then
     echo "PATH=$PATH" >> .deepspeed_env
 fi
 source "$(dirname "$0")/restarts.sh"
-exec "${restarts[@]}" deepspeed --hostfile "$HOSTFILE" --master_addr "$MASTER_ADDR" --master_port "${MASTER_PORT:-29500}" \
+exec ${restarts[@]+"${restarts[@]}"} deepspeed --hostfile "$HOSTFILE" --master_addr "$MASTER_ADDR" --master_port "${MASTER_PORT:-29500}" \
     --module eva_fastclip train --config "$config" "$@"

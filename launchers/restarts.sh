@@ -1,6 +1,7 @@
 # Sourced by the launchers: with MAX_RESTARTS > 0, the array "restarts" runs deepspeed under the restart
 # supervisor (eva_fastclip/restarts.py: a failed run goes on with --resume latest, up to MAX_RESTARTS
-# times; lost hosts left out while MIN_NODES remain); otherwise it is empty and deepspeed runs as it is.
+# times; lost hosts left out while MIN_NODES remain); otherwise it is empty and deepspeed runs as it is
+# (expanded as ${restarts[@]+"${restarts[@]}"}: an empty array is "unbound" under set -u before bash 4.4).
 restarts=()
 if [ "${MAX_RESTARTS:-0}" != 0 ]; then
     if ! [[ ${MAX_RESTARTS} =~ ^[0-9]+$ && ${MIN_NODES:-1} =~ ^[1-9][0-9]*$ ]]; then

@@ -31,11 +31,11 @@ if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
     fi
     chosen=$(IFS=,; echo "${visible[*]:0:$gpus}")
     # unset, so that the launcher sees every GPU and --include picks these; it sets it again for each rank
-    exec env -u CUDA_VISIBLE_DEVICES "${restarts[@]}" deepspeed --include "localhost:$chosen" \
+    exec env -u CUDA_VISIBLE_DEVICES ${restarts[@]+"${restarts[@]}"} deepspeed --include "localhost:$chosen" \
         --master_port "$MASTER_PORT" --module eva_fastclip train --config "$config" "$@"
 fi
 
 gpus=${NUM_GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 [ "$gpus" -gt 0 ] || gpus=1
-exec "${restarts[@]}" deepspeed --num_gpus "$gpus" --master_port "$MASTER_PORT" \
+exec ${restarts[@]+"${restarts[@]}"} deepspeed --num_gpus "$gpus" --master_port "$MASTER_PORT" \
     --module eva_fastclip train --config "$config" "$@"

@@ -65,6 +65,7 @@ import torch
 from eva_fastclip.bench.speed import cpu_model
 from eva_fastclip.data.shards import write_shard
 from eva_fastclip.data.tar_reader import decode_image
+from eva_fastclip.data.workers import start_worker_server
 
 logger = logging.getLogger(__name__)
 
@@ -313,11 +314,18 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def _children() -> list[int]:
-    """This process's child processes (the DataLoader workers)."""
+    """This process's descendants: the DataLoader workers are its children (fork) or its fork server's
+    (ours, data/workers.py; the server, started with the loader, is among the processes left out)."""
     pids: list[int] = []
-    for task in os.listdir("/proc/self/task"):
+    parents = ["self"]
+    while parents:
+        parent = parents.pop()
         with contextlib.suppress(OSError):
-            pids += [int(p) for p in Path(f"/proc/self/task/{task}/children").read_text().split()]
+            for task in os.listdir(f"/proc/{parent}/task"):
+                with contextlib.suppress(OSError):
+                    found = [int(p) for p in Path(f"/proc/{parent}/task/{task}/children").read_text().split()]
+                    pids += found
+                    parents += found
     return pids
 
 
@@ -608,6 +616,7 @@ def run_data_benchmark(
     names = tuple(loaders)
 
     runs: list[dict[str, Any]] = []
+    start_worker_server()  # our workers' fork server, once: among the processes each run leaves out
     for kind in kinds:
         for w in workers:
             for repeat in range(repeats):

@@ -18,6 +18,7 @@ It ignores the stop signals (the rank saves first: engine/preemption.py) and die
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import signal
@@ -76,8 +77,9 @@ def main(argv: list[str] | None = None) -> int:
                 where = f"{args.host}:{args.port}"
                 why = f"the store on rank 0 ({where}) has not answered for {args.timeout_s:.0f} s"
         if why:
-            _say(args.rank, f"{why}: SIGKILL to rank {args.rank} (pid {args.pid})")
             os.kill(args.pid, signal.SIGKILL)  # its fork server and loader workers die with it
+            with contextlib.suppress(OSError):  # an output pdsh closed
+                _say(args.rank, f"{why}: SIGKILL to rank {args.rank} (pid {args.pid})")
             return 0
 
 

@@ -80,6 +80,9 @@ class _Outliving(io.TextIOBase):
     def isatty(self) -> bool:
         return self._stream.isatty()
 
+    def __getattr__(self, name: str):  # encoding, buffer, ...: the stream's own
+        return getattr(self._stream, name)
+
 
 def outlive_closed_output() -> None:
     """sys.stdout, sys.stderr and the logging handlers that write to them drop writes to a closed pipe."""
