@@ -98,7 +98,8 @@ def test_options_and_causes():
 
 
 def test_the_launchers_refuse_a_bad_max_restarts(tmp_path):
-    env = {**os.environ, "MAX_RESTARTS": "two", "NUM_GPUS": "1"}
+    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}  # (an in-process run's, maybe)
+    env.update(MAX_RESTARTS="two", NUM_GPUS="1")
     result = subprocess.run(
         [REPO / "launchers" / "single_node.sh", "configs/toy.json"], cwd=REPO, env=env, capture_output=True,
         text=True, timeout=60,

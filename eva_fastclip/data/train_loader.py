@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import random
+import time
 import warnings
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
@@ -354,8 +355,10 @@ class TrainLoader:
         topped_up = 0  # batches that drew on the top-up pass: a worker's range ran short
         batches = iter(loader)
         self.worker_pids = [worker.pid for worker in getattr(batches, "_workers", ())]  # (a hang names them)
-        for images, tokens, indices, keys, (worker, stream, skips) in itertools.islice(
-            batches, self.num_batches - self._start
+        for images, tokens, indices, keys, (worker, stream, skips) in _naming_dead_workers(
+            itertools.islice(batches, self.num_batches - self._start),
+            getattr(batches, "_workers", ()),
+            self.rank,
         ):
             self._streams[worker] = tuple(stream)
             self._skips[worker] = tuple(skips)
@@ -606,6 +609,29 @@ class _Stream:
 
     def state(self) -> tuple[int, int, tuple[int, ...], int]:
         return self.pass_number, self.taken, tuple(self.counts), self.read
+
+
+def _naming_dead_workers(batches: Iterator[Any], workers: Sequence[Any], rank: int) -> Iterator[Any]:
+    """``batches``; a failure while a worker has died (the OOM killer: PyTorch names it, or its queue's
+    pipe breaks first, naming nobody) is raised again naming the dead workers."""
+    try:
+        yield from batches
+    except (RuntimeError, OSError, EOFError) as err:
+        # a broken pipe comes a moment before the fork server reports the worker's end (PyTorch's own
+        # RuntimeError names it already)
+        patience = 0.0 if isinstance(err, RuntimeError) else 5.0
+        deadline = time.monotonic() + patience
+        dead = [worker for worker in workers if not worker.is_alive()]
+        while not dead and time.monotonic() < deadline:
+            time.sleep(0.1)
+            dead = [worker for worker in workers if not worker.is_alive()]
+        if not dead:
+            raise
+        codes = ", ".join(f"pid {worker.pid} (exit code {worker.exitcode})" for worker in dead)
+        raise RuntimeError(
+            f"rank {rank}'s training loader worker(s) died: {codes}; a negative code is the signal that "
+            "ended it (-9: SIGKILL, e.g. the kernel's OOM killer: give them more memory, or use fewer)"
+        ) from err
 
 
 def _shuffle(samples: Iterable[Any], rng: random.Random, size: int, buffer: list[Any]) -> Iterator[Any]:

@@ -122,6 +122,8 @@ RULES: dict[str, Rule] = {
     "train.save_every_minutes": Rule(CHANGE),
     "train.hang_timeout_s": Rule(CHANGE),
     "train.hang_timeout_long_s": Rule(CHANGE),
+    "train.straggler_factor": Rule(CHANGE),
+    "train.straggler_windows": Rule(CHANGE),
     "train.preempt_signal": Rule(CHANGE),
     "train.keep_checkpoints": Rule(CHANGE),
     "train.log_every_steps": Rule(CHANGE),
