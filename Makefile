@@ -18,7 +18,7 @@ demo: $(VENV)/.installed
 	bash launchers/demo.sh
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
