@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from eva_fastclip.data.workers import STOP_SIGNALS
+
 #: exit codes that a restart would not cure, and what they mean
 NOT_RESTARTED = {
     2: "a configuration or input error",
@@ -151,8 +153,6 @@ def run(command: list[str]) -> int:
     """Run ``command`` in a process group of its own until every process of the group has ended. A stop
     signal to this process goes to the whole group: on one node DeepSpeed's runner passes nothing on, and
     launch.py and the ranks (which save, then exit) would go on without it."""
-    from eva_fastclip.data.workers import STOP_SIGNALS
-
     proc = subprocess.Popen(command, start_new_session=True)
     stopping = []
 
@@ -197,8 +197,6 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command or args.max_restarts < 0 or args.min_nodes < 1:
         parser.error("give MAX_RESTARTS >= 0, MIN_NODES >= 1 and the command after --")
-    from eva_fastclip.data.workers import STOP_SIGNALS
-
     restarts = 0
     while True:
         started = time.monotonic()

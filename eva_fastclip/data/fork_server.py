@@ -5,10 +5,6 @@ rank that started it, however that ends; its workers die with it in turn (``igno
 must not import this module: it would ignore a stop and die with its launcher instead of saving
 (engine/preemption.py)."""
 
-import signal
+from eva_fastclip.data.workers import ignore_stop_signals
 
-from eva_fastclip.data.workers import STOP_SIGNALS, die_with_parent
-
-for _sig in STOP_SIGNALS:
-    signal.signal(_sig, signal.SIG_IGN)
-die_with_parent()
+ignore_stop_signals()

@@ -354,11 +354,10 @@ class TrainLoader:
         self._batches, self._streams = self._start, dict(self._resume)
         topped_up = 0  # batches that drew on the top-up pass: a worker's range ran short
         batches = iter(loader)
-        self.worker_pids = [worker.pid for worker in getattr(batches, "_workers", ())]  # (a hang names them)
+        workers = getattr(batches, "_workers", ())
+        self.worker_pids = [worker.pid for worker in workers]  # (a hang names them)
         for images, tokens, indices, keys, (worker, stream, skips) in _naming_dead_workers(
-            itertools.islice(batches, self.num_batches - self._start),
-            getattr(batches, "_workers", ()),
-            self.rank,
+            itertools.islice(batches, self.num_batches - self._start), workers, self.rank
         ):
             self._streams[worker] = tuple(stream)
             self._skips[worker] = tuple(skips)
@@ -621,12 +620,10 @@ def _naming_dead_workers(batches: Iterator[Any], workers: Sequence[Any], rank: i
         # RuntimeError names it already)
         patience = 0.0 if isinstance(err, RuntimeError) else 5.0
         deadline = time.monotonic() + patience
-        dead = [worker for worker in workers if not worker.is_alive()]
-        while not dead and time.monotonic() < deadline:
+        while not (dead := [worker for worker in workers if not worker.is_alive()]):
+            if time.monotonic() >= deadline:
+                raise
             time.sleep(0.1)
-            dead = [worker for worker in workers if not worker.is_alive()]
-        if not dead:
-            raise
         codes = ", ".join(f"pid {worker.pid} (exit code {worker.exitcode})" for worker in dead)
         raise RuntimeError(
             f"rank {rank}'s training loader worker(s) died: {codes}; a negative code is the signal that "

@@ -102,9 +102,8 @@ class MicroBatchStep:
     def __init__(self, engine, loss: ContrastiveLoss, model_input: ModelInput) -> None:
         self.engine, self.loss, self.model_input = engine, loss, model_input
         self.note: Callable[[str], None] = _no_note
-        self.timed: Callable[[], contextlib.AbstractContextManager] = (
-            contextlib.nullcontext
-        )  # times each forward
+        # times each forward (engine/stragglers.py's ForwardTimer in training)
+        self.timed: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def add(self, batch: MicroBatch) -> tuple[list[LossOutput], bool]:
         engine, note = self.engine, self.note
@@ -130,9 +129,8 @@ class CachedStep:
     def __init__(self, engine, loss: ContrastiveLoss, model_input: ModelInput, micro_batches: int) -> None:
         self.engine, self.loss, self.model_input = engine, loss, model_input
         self.note: Callable[[str], None] = _no_note
-        self.timed: Callable[[], contextlib.AbstractContextManager] = (
-            contextlib.nullcontext
-        )  # times each forward
+        # times each forward (engine/stragglers.py's ForwardTimer in training)
+        self.timed: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         self.micro_batches = micro_batches
         self._running_stats = running_statistics(engine.module)
         self._saved_stats: list[torch.Tensor] = []

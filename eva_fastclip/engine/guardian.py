@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import os
 import signal
 import subprocess
@@ -47,24 +46,18 @@ def main(argv: list[str] | None = None) -> int:
     for name, kind in (("pid", int), ("rank", int), ("host", str), ("port", int), ("timeout_s", float)):
         parser.add_argument(name, type=kind)
     args = parser.parse_args(argv)
-    from eva_fastclip.data.workers import STOP_SIGNALS, die_with_parent
+    from eva_fastclip.data.workers import ignore_stop_signals
+    from eva_fastclip.engine.watchdog import store_client
 
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-    die_with_parent()
+    ignore_stop_signals()  # as a loader worker does: the stop signals ignored, and it dies with its rank
     if os.getppid() != args.pid:  # the rank ended before the line above
         return 0
-    import torch.distributed as dist
-
     store, silent_since = None, None
     while True:
         time.sleep(POLL_S)
         try:
             if store is None:
-                timeout = datetime.timedelta(seconds=5)
-                store = dist.TCPStore(
-                    args.host, args.port, is_master=False, timeout=timeout, wait_for_workers=False
-                )
+                store = store_client(args.host, args.port)
             aborted = store.check([ABORT_KEY])
             why = store.get(ABORT_KEY).decode() if aborted else None
             silent_since = None

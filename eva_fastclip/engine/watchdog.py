@@ -133,12 +133,7 @@ class Watchdog:
 
     def _client(self):
         if self._store is None:
-            import torch.distributed as dist
-
-            host, port = self._store_address
-            self._store = dist.TCPStore(
-                host, port, is_master=False, timeout=datetime.timedelta(seconds=5), wait_for_workers=False
-            )
+            self._store = store_client(*self._store_address)
         return self._store
 
     def _beat(self, phase: str, seconds: float) -> None:
@@ -216,6 +211,15 @@ class Watchdog:
                 self._client().set(ABORT_KEY, why)
                 if self.rank == 0:  # it serves the store: the guardians read the mark before it goes
                     time.sleep(2 * POLL_S)
+
+
+def store_client(host: str, port: int):
+    """A connection of its own to the process group's store (served by rank 0), which gives up on a request
+    after 5 s: a store that does not answer is itself news (rank 0 stopped or gone)."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=5)
+    return dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
 
 
 def _kill_children() -> None:
