@@ -542,10 +542,21 @@ def _positive(key: str, value: float, allow_zero: bool = False) -> None:
 # ---- loading ---------------------------------------------------------------------------------------
 
 
+#: a config's record of how `eva-fastclip tune` chose its layout: kept in the file, not a setting
+TUNED_SECTION = "tuned"
+
+
 def load_config(
     path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
 ) -> ExperimentConfig:
     """Read a JSON experiment config (or the defaults), apply ``key.sub=value`` overrides, validate."""
+    raw = read_raw_config(path, overrides)
+    raw.pop(TUNED_SECTION, None)
+    return from_dict(ExperimentConfig, raw, prefix="")
+
+
+def read_raw_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """The config file's JSON object with the overrides applied, not yet validated."""
     raw: dict[str, Any] = {}
     if path is not None:
         try:
@@ -558,7 +569,7 @@ def load_config(
             raise ConfigError(f"config file {path} must hold a JSON object at the top level")
     for item in overrides:
         _apply_override(raw, item)
-    return from_dict(ExperimentConfig, raw, prefix="")
+    return raw
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:

@@ -13,8 +13,9 @@ then one measured **loss step** on every rank: the loss's forward from random L2
 (requires_grad) and ``logit_scale = [1/0.07]`` (requires_grad), and the backward to those leaves (not the
 model). Rank 0 is reported (the ranks are symmetric; every rank's numbers go to the JSON).
 
-- **Peak memory** (exact on CPU): ``StorageTracker``, a ``TorchDispatchMode`` that sees every op the step
-  runs (forward, backward, collectives' output buffers), registers each *new* storage an op returns (not
+- **Peak memory** (exact on CPU): ``StorageTracker`` (eva_fastclip/tensor_memory.py), a
+  ``TorchDispatchMode`` that sees every op the step runs (forward, backward, collectives' output buffers),
+  registers each *new* storage an op returns (not
   one of its inputs' storages: views and in-place/out= results alias those) with its nbytes, and removes
   it when the storage is deallocated (``weakref.finalize`` on the storage; PyTorch preserves a storage's
   Python object while any tensor uses it, so the finalizer runs exactly at deallocation). The peak of the
@@ -47,9 +48,7 @@ import platform
 import socket
 import sys
 import tempfile
-import weakref
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +56,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from eva_fastclip.tensor_memory import StorageTracker
 
 GRID_K = (1, 2, 4)
 GRID_B = (512, 1024, 2048, 4096)
@@ -69,118 +68,6 @@ TEMPERATURE = 0.07
 CONTESTANTS = ("ours", "openclip")
 STATE_FIELDS = 2  # fastclip_v3 (RGCL-g): log_u1, log_u2
 MIB = 2.0**20
-
-# Python frames worth naming as the place a tensor was made (innermost first)
-_WHERE = ("eva_fastclip", "open_clip", os.path.join("torch", "distributed"))
-
-
-# ---- exact live-storage tracker --------------------------------------------------------------------------
-
-
-@dataclass
-class _Entry:
-    serial: int
-    nbytes: int
-    op: str
-    shape: tuple[int, ...]
-    dtype: str
-    phase: str
-    where: str
-
-
-def _where() -> str:
-    frame = sys._getframe(2)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if any(part in name for part in _WHERE) and not name.endswith("loss_memory.py"):
-            return f"{_short(name)}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "autograd"
-
-
-def _short(path: str) -> str:
-    for anchor in ("eva_fastclip", "open_clip", "torch"):
-        i = path.rfind(os.sep + anchor + os.sep)
-        if i >= 0:
-            return path[i + 1 :]
-    return os.path.basename(path)
-
-
-class StorageTracker(TorchDispatchMode):
-    """Bytes of tensor storage created inside the ``with`` block and still alive; ``peak`` is their maximum.
-
-    Every op's outputs are inspected: a storage that is not one of the op's inputs' storages (so not a
-    view or an in-place/out= result) and not already tracked is new, and counted until its deallocation.
-    """
-
-    def __init__(self, keep_peak_tensors: bool = True) -> None:
-        super().__init__()
-        self.keep_peak_tensors = keep_peak_tensors
-        self.live: dict[int, _Entry] = {}  # storage data_ptr -> entry
-        self.current = 0
-        self.peak = 0
-        self.allocated = 0  # every byte ever registered (to see churn)
-        self.peak_phase = ""
-        self.peak_entries: list[_Entry] = []
-        self.phase = "forward"
-        self._serial = 0
-
-    def _register(self, storage: torch.UntypedStorage, op: str, t: torch.Tensor) -> None:
-        self._serial += 1
-        entry = _Entry(
-            self._serial, storage.nbytes(), op, tuple(t.shape), str(t.dtype).replace("torch.", ""),
-            self.phase, _where(),
-        )  # fmt: skip
-        ptr = storage.data_ptr()
-        self.live[ptr] = entry
-        self.current += entry.nbytes
-        self.allocated += entry.nbytes
-        weakref.finalize(storage, self._release, ptr, entry.serial).atexit = False
-        if self.current > self.peak:
-            self.peak = self.current
-            self.peak_phase = self.phase
-            if self.keep_peak_tensors:
-                self.peak_entries = list(self.live.values())
-
-    def _release(self, ptr: int, serial: int) -> None:
-        entry = self.live.get(ptr)
-        if entry is not None and entry.serial == serial:
-            del self.live[ptr]
-            self.current -= entry.nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        inputs = {
-            x.untyped_storage().data_ptr()
-            for x in tree_flatten((args, kwargs))[0]
-            if isinstance(x, torch.Tensor) and x.device.type != "meta"
-        }
-        fresh_alias = func.__name__.startswith("lift_fresh")  # torch.tensor(...) data, made just before
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-                continue
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr == 0 or storage.nbytes() == 0 or ptr in self.live:
-                continue
-            if ptr in inputs and not fresh_alias:
-                continue
-            self._register(storage, str(func.overloadpacket.__name__), t)
-        return out
-
-    def top_at_peak(self, n: int = 8) -> list[dict[str, Any]]:
-        """The largest groups (op, shape, place) of storages live at the peak."""
-        groups: dict[tuple, list[int]] = {}
-        for e in self.peak_entries:
-            groups.setdefault((e.op, e.shape, e.dtype, e.phase, e.where), []).append(e.nbytes)
-        rows = [
-            {"op": k[0], "shape": list(k[1]), "dtype": k[2], "made_in": k[3], "where": k[4],
-             "count": len(v), "mib": sum(v) / MIB}
-            for k, v in groups.items()
-        ]  # fmt: skip
-        rows.sort(key=lambda r: -r["mib"])
-        return rows[:n]
 
 
 @contextlib.contextmanager

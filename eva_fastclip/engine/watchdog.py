@@ -112,7 +112,8 @@ class Watchdog:
         """Heartbeats from now on, through a connection of this thread's own to the group's store, and
         the rank's guardian (engine/guardian.py)."""
         self._store_address = (host, port)
-        if self.enabled and self.world_size > 1 and self._thread is not None:
+        # once per process: eva-fastclip tune builds a Trainer per probe, each connecting again
+        if self.enabled and self.world_size > 1 and self._thread is not None and self._guardian is None:
             from eva_fastclip.engine.guardian import start_guardian
 
             self._guardian = start_guardian(os.getpid(), self.rank, host, port, self.timeout_s)

@@ -1,0 +1,5 @@
+"""`eva-fastclip tune`: the layout of a recipe that fits the user's GPUs and trains fastest (tuner.py)."""
+
+from eva_fastclip.tune.tuner import TuneOptions, Tuner
+
+__all__ = ["TuneOptions", "Tuner"]

@@ -1,0 +1,233 @@
+"""The memory model of a training layout: one rank's peak tensor memory, estimated before any probe.
+
+A rank's peak is its state plus the larger of two transients, each term a count of tensors the run
+makes (DeepSpeed 0.19's ZeRO-0/1/2 engines, our LAMB or AdamW, our losses), with P the model's parameters
+(T of them trained), K ranks, w the bytes of a weight (2 in bf16/fp16, 4 in fp32):
+
+    state      weights P·w, the fp32 masters 4T (bf16/fp16; also fp32 under ZeRO-1/2, which copies its
+               partition), the optimizer's two moments 8T — the masters and moments divided by K under
+               ZeRO-1/2 — and the loss's per-sample table (host memory on a GPU: its own line)
+    backward   the forward and backward's own peak a·b + a0 for a micro-batch of b (activations, the
+               block recomputed under checkpointing, the gradients made as they free: measured by
+               :func:`trace_activations`), at least the gradients T·w (T·w/K under ZeRO-2); the
+               model's input (the uint8 images normalised: 4 + w bytes a value); DeepSpeed's reduce
+               bucket (``reduce_bucket_size`` elements of the gradient dtype, allocated anew at every
+               backward under ZeRO-1/2 with ``contiguous_gradients``; two with ``overlap_comm``), the
+               loss's buffers (the contrastive batch's gathered features and their gradients, fp32, and
+               one streamed row block) and, with ``train.contrastive_batch=global``, the step's cached
+               features and held images (engine/contrastive_step.py's ``held_bytes``)
+    step       the gradients and their fp32 copy (4T, 4T/K under ZeRO-1/2) at the optimizer step
+
+The activation line is the one thing not counted from shapes: it is measured (two micro-batch sizes,
+forward and backward of the bare model in the run's precision) because attention kernels, masking and
+checkpointing decide it. Probes then measure the whole peak; docs/benchmarks.md compares the two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+from typing import Any
+
+import torch
+
+from eva_fastclip.config import ExperimentConfig
+from eva_fastclip.tensor_memory import StorageTracker
+
+GIB = 2.0**30
+#: DeepSpeed's default reduce_bucket_size (elements) when the JSON leaves it out
+DEFAULT_REDUCE_BUCKET = 500_000_000
+#: entries of one streamed row block of the compositional loss (losses/surrogate.py's _BLOCK_ELEMENTS), and
+#: the fp32 block-sized tensors alive at once while it is recomputed in the backward
+LOSS_BLOCK_ELEMENTS, LOSS_BLOCKS_LIVE = 2**18, 8
+#: per-sample table fields of each temperature rule (losses/compositional.py)
+TABLE_FIELDS = {"individual_adam": 8, "individual_momentum": 6}
+COMPOSITIONAL_FIELDS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Footprint:
+    """What the memory model needs to know of a run: its model, precision, engine settings and data."""
+
+    parameters: int
+    trainable: int
+    embed_dim: int
+    image_shape: tuple[int, int, int]
+    weight_bytes: int  # 2 (bf16 / fp16 module) or 4 (fp32)
+    reduce_bucket_size: int  # elements
+    overlap_comm: bool
+    contiguous_gradients: bool
+    table_rows: int  # per-sample table rows (0: the loss keeps none)
+    table_fields: int
+    #: bytes per sample and fixed bytes of a forward and backward, without and with grad checkpointing
+    activations: dict[bool, tuple[float, float]]
+    device: str = "cpu"  # where the tensors live: on CUDA the per-sample table is host memory
+
+    @property
+    def image_bytes(self) -> int:
+        """A held image: uint8 as TrainLoader hands it."""
+        return math.prod(self.image_shape)
+
+
+def footprint_of(
+    cfg: ExperimentConfig,
+    ds: dict[str, Any],
+    *,
+    parameters: int,
+    trainable: int,
+    embed_dim: int,
+    image_shape: tuple[int, int, int],
+    table_rows: int,
+    activations: dict[bool, tuple[float, float]],
+    device: str,
+) -> Footprint:
+    """The footprint of ``cfg`` under the resolved DeepSpeed JSON ``ds``."""
+    zero = ds.get("zero_optimization", {})
+    lowp = ds.get("bf16", {}).get("enabled") is True or ds.get("fp16", {}).get("enabled") is True
+    rule = cfg.loss.temperature_rule
+    return Footprint(
+        parameters=parameters,
+        trainable=trainable,
+        embed_dim=embed_dim,
+        image_shape=image_shape,
+        weight_bytes=2 if lowp else 4,
+        reduce_bucket_size=int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET)),
+        overlap_comm=bool(zero.get("overlap_comm", False)),
+        contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
+        table_rows=table_rows if cfg.loss.name != "openclip" else 0,
+        table_fields=TABLE_FIELDS.get(rule, COMPOSITIONAL_FIELDS),
+        activations=activations,
+        device=device,
+    )
+
+
+def estimate(candidate, fp: Footprint) -> dict[str, int]:
+    """One rank's peak tensor memory for ``candidate`` (tune/layouts.py's Candidate), term by term
+    (module docstring); ``peak`` is their sum at the larger transient, ``host`` what lives in host
+    memory instead on a GPU (the per-sample table)."""
+    k, stage, t, w = candidate.world_size, candidate.zero_stage, fp.trainable, fp.weight_bytes
+    shard = k if stage >= 1 else 1
+    state = {
+        "weights": fp.parameters * w,
+        "fp32_masters": 0 if (w == 4 and stage == 0) else 4 * t // shard,
+        "optimizer_moments": 8 * t // shard,
+    }
+    table = math.ceil(fp.table_rows / k) * fp.table_fields * 4
+    slope, fixed = fp.activations[candidate.grad_checkpointing]
+    b, c, d = candidate.micro_batch, candidate.contrastive_batch, fp.embed_dim
+    buckets = 2 if fp.overlap_comm else 1
+    # the traced peak holds the activations and the gradients made while they are freed: at a batch too
+    # small for the activations to count, the gradients alone (T·w, partitioned under ZeRO-2)
+    activations, gradients = int(slope * b + fixed), t * w // (k if stage == 2 else 1)
+    backward = {
+        "activations_and_gradients": max(activations, gradients),
+        # uint8 images made the model's input: the float32 normalisation and the copy in w bytes it keeps
+        "model_input": b * fp.image_bytes * (4 + w),
+        "reduce_bucket": fp.reduce_bucket_size * w * buckets if stage >= 1 and fp.contiguous_gradients else 0,
+        "loss_buffers": 2 * 2 * c * d * 4 + min(b * c, LOSS_BLOCK_ELEMENTS) * 4 * LOSS_BLOCKS_LIVE,
+        "cached_step": 0,
+    }
+    if candidate.contrastive == "global" and candidate.grad_accum_steps > 1:
+        per_rank = b * candidate.grad_accum_steps
+        backward["cached_step"] = 2 * candidate.global_batch * d * 4 + per_rank * fp.image_bytes
+    step = {"gradients": t * w, "fp32_gradients": 4 * t // shard}
+    on_device = sum(state.values()) + (table if fp.device == "cpu" else 0)
+    transient = max(sum(backward.values()), sum(step.values()))
+    return {
+        **state,
+        "per_sample_table": table,
+        **{f"backward.{key}": value for key, value in backward.items()},
+        **{f"step.{key}": value for key, value in step.items()},
+        "peak": on_device + transient,
+        "host": table if fp.device != "cpu" else 0,
+    }
+
+
+def trace_activations(
+    cfg: ExperimentConfig, dtype: torch.dtype, device: torch.device, largest: int = 64
+) -> tuple[dict[bool, tuple[float, float]], dict[str, Any]]:
+    """The line ``a·b + a0`` through the peak tensor bytes of a forward and backward of the bare model
+    (``dtype`` on ``device``, train mode, the config's patch dropout), without and with gradient
+    checkpointing, at two micro-batch sizes b1 and 2·b1, b1 chosen so that the activations outweigh the
+    gradients twice (2·b1 up to ``largest``): at a smaller batch the peak is the gradients', and the line
+    through it would be too flat (its slope is at least the bytes a forward keeps per sample). With
+    checkpointing the peak includes the block recomputed in the backward, which the activations kept at
+    the forward's end do not show. Also returns the model's facts (parameters, trainable, embed_dim,
+    image shape)."""
+    from eva_fastclip.models import create_model
+    from eva_fastclip.models.kernels import configure_kernels
+
+    out: dict[bool, tuple[float, float]] = {}
+    facts: dict[str, Any] = {}
+    for checkpointing in (False, True):
+        model_cfg = dataclasses.replace(cfg.model, grad_checkpointing=checkpointing)
+        bundle = create_model(model_cfg, temperature_init=cfg.loss.temperature_init)
+        model = bundle.model
+        configure_kernels(model, device)
+        model.to(device=device, dtype=dtype).train()
+        params = list(model.parameters())
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+        facts = {
+            "parameters": sum(p.numel() for p in params),
+            "trainable": trainable,
+            "embed_dim": bundle.embed_dim,
+            "image_shape": bundle.image_shape,
+        }
+        shape, context = bundle.image_shape, _context_length(model)
+        grads = trainable * torch.empty((), dtype=dtype).element_size()
+        saved_per_sample = _measure(model, 2, shape, context, dtype, device)[0] / 2
+        b1 = min(largest // 2, max(2, math.ceil(2 * grads / max(saved_per_sample, 1.0))))
+        b2 = 2 * b1
+        p1 = _measure(model, b1, shape, context, dtype, device)[1]
+        p2 = _measure(model, b2, shape, context, dtype, device)[1]
+        # the line through the larger point: what a forward keeps grows exactly with the batch
+        slope = max(saved_per_sample, (p2 - p1) / (b2 - b1))
+        out[checkpointing] = (slope, max(0.0, p2 - slope * b2))
+        del model, bundle, params
+        gc.collect()
+    return out, facts
+
+
+def _context_length(model: torch.nn.Module) -> int:
+    length = getattr(model, "context_length", None)
+    if length is None:  # a Hugging Face text tower
+        length = model.text.config.max_position_embeddings
+    return int(length)
+
+
+def _measure(
+    model, batch: int, image_shape, context: int, dtype, device: torch.device
+) -> tuple[float, float]:
+    """A forward and backward of ``batch`` pairs: the bytes live at the forward's end (kept for the
+    backward) and the peak, both above what was there before."""
+    for p in model.parameters():
+        p.grad = None
+    images = torch.rand(batch, *image_shape, device=device).to(dtype)
+    tokens = torch.randint(1, 1000, (batch, context), device=device)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        loss = _forward(model, images, tokens)
+        torch.cuda.synchronize(device)
+        saved = torch.cuda.memory_allocated(device) - before
+        loss.backward()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+    else:
+        with StorageTracker(keep_peak_tensors=False) as tracker:
+            loss = _forward(model, images, tokens)
+            saved = tracker.current
+            loss.backward()
+        peak = tracker.peak
+    del loss
+    for p in model.parameters():
+        p.grad = None
+    return float(saved), float(peak)
+
+
+def _forward(model, images: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    image_features, text_features = model(images, tokens)[:2]
+    return (image_features.float() * text_features.float()).sum()

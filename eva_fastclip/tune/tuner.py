@@ -1,0 +1,647 @@
+"""`eva-fastclip tune`: the fastest layout of the user's recipe that fits their GPUs (docs/launching.md).
+
+The search, every rank taking the same decisions on agreed figures:
+
+1. The memory model (tune/memory_model.py) estimates every layout of the global batch: each micro-batch
+   dividing a rank's share, with and without gradient checkpointing, ZeRO 0/1/2, the contrastive batch of
+   a micro-batch or of the whole step. Rank 0 traces the model's activations; the figures are broadcast.
+2. Probes (tune/probe.py) measure the few that matter: per option, the largest micro-batch estimated to
+   fit, an option left out when a cheaper one fits as large a batch (checkpointing, a higher ZeRO stage,
+   more ranks' worth of partitioning on one rank). One that does not fit after all is followed by the
+   next smaller size. Then the best one's next larger micro-batch is probed (it should not fit: the
+   bracket, and the second point of its memory slope) or, at the largest, its next smaller.
+3. The real loader runs the chosen layout (tune/probe.py's data_probe): the fewest workers per rank that
+   keep the data wait under 5%, or what it would take.
+
+Everything measured is written as the search goes (``tuned.trials.json``, with the probe in flight): a
+search that ends during a probe (an unusable device, a hang its watchdog ended, a kill) goes on when
+started again with the same config, ranks and limit, that probe counted as failed, in fresh processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from eva_fastclip.config import ConfigError, ExperimentConfig, batch_layout
+from eva_fastclip.tune import report
+from eva_fastclip.tune.layouts import (
+    ZERO_STAGES,
+    Trial,
+    assign_verdicts,
+    candidates,
+    fits,
+    largest_fitting,
+    next_larger,
+    preference,
+)
+from eva_fastclip.tune.memory_model import GIB, estimate, footprint_of, trace_activations
+from eva_fastclip.tune.probe import DeviceUnusable, quiet_set_up
+
+log = logging.getLogger(__name__)
+
+#: the data wait tune aims under, as a fraction of step time
+DATA_WAIT_TARGET = 0.05
+#: probes of smaller micro-batches after a layout did not fit, per option
+STEPS_DOWN = 3
+
+
+@dataclasses.dataclass
+class TuneOptions:
+    output: Path
+    memory_limit_gib: float | None = None
+    margin: float = 0.10
+    contrastive_batch: int | None = None
+    estimate_only: bool = False
+    gpus: int | None = None
+    gpu_memory_gib: float | None = None
+    data: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.margin < 1.0:
+            raise ConfigError(f"--memory-margin must be in [0, 1), got {self.margin}")
+        if self.memory_limit_gib is not None and self.memory_limit_gib <= 0:
+            raise ConfigError(f"--memory-limit-gib must be > 0, got {self.memory_limit_gib}")
+        if self.contrastive_batch is not None and self.contrastive_batch < 1:
+            raise ConfigError(f"--contrastive-batch must be >= 1, got {self.contrastive_batch}")
+        if self.estimate_only and (self.gpus is None or self.gpu_memory_gib is None):
+            raise ConfigError("--estimate-only plans for GPUs you name: give --gpus N and --gpu-memory-gib M")
+        if not self.estimate_only and (self.gpus is not None or self.gpu_memory_gib is not None):
+            raise ConfigError(
+                "--gpus and --gpu-memory-gib plan a run elsewhere: add --estimate-only (a search that "
+                "measures runs on the ranks it is launched with, under --memory-limit-gib)"
+            )
+        if self.output.suffix != ".json":
+            raise ConfigError(f"--output {self.output} must name a .json file (e.g. tuned.json)")
+
+
+def check_tunable(ds: dict[str, Any], source: str) -> None:
+    """tune sets the micro-batch and the accumulation: the DeepSpeed JSON must leave them to the
+    experiment ("auto"), as the shipped ones do."""
+    fixed = [
+        key
+        for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+        if ds.get(key, "auto") != "auto"
+    ]
+    if fixed:
+        raise ConfigError(
+            f"{source} fixes {', '.join(f'{k}={ds[k]}' for k in fixed)}: tune chooses the micro-batch and "
+            'the accumulation, so write "auto" for them (train_batch_size may stay: it is the global batch)'
+        )
+
+
+def check_inputs(cfg: ExperimentConfig, *, data: bool) -> None:
+    """What the probes read: the model's files, the image decode, and (for the loader's rate) the shards."""
+    from eva_fastclip.engine import preflight
+
+    problems = preflight.check_model(cfg) + preflight.check_image_decode(cfg)
+    if data:
+        problems += preflight.check_train_shards(cfg)[1]
+    preflight.raise_for_errors(problems)
+
+
+def cap_reduce_bucket(ds: dict[str, Any], trainable: int) -> tuple[dict[str, Any], str | None]:
+    """DeepSpeed allocates its whole reduce bucket (``reduce_bucket_size`` elements, 5e8 by default) at
+    every backward under ZeRO-1/2, however small the model: one bucket of the model's own size holds
+    every gradient, so the same reductions happen in less memory. Returns the JSON and what changed."""
+    zero = ds.get("zero_optimization", {})
+    current = int(zero.get("reduce_bucket_size", 500_000_000))
+    size = int(math.ceil(trainable / 1e6) * 1e6)  # whole millions: a readable number in the JSON
+    if size >= current:
+        return ds, None
+    ds = json.loads(json.dumps(ds))
+    ds.setdefault("zero_optimization", {})["reduce_bucket_size"] = size
+    return ds, (
+        f"zero_optimization.reduce_bucket_size {current:.3g} -> {size:.3g} elements: the model's "
+        f"{trainable:,} trained parameters in one bucket; DeepSpeed allocates the whole bucket at every "
+        "backward under ZeRO-1/2"
+    )
+
+
+def _broadcast(value: Any) -> Any:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        holder = [value]
+        dist.broadcast_object_list(holder, src=0)
+        return holder[0]
+    return value
+
+
+def _fingerprint(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class Tuner:
+    """One search: built on every rank of a launch (or alone, for ``--estimate-only``)."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        raw: dict[str, Any],
+        ds: dict[str, Any],
+        opts: TuneOptions,
+        watchdog=None,
+    ) -> None:
+        from eva_fastclip.engine.precision import Hardware, common_hardware, detect_hardware
+        from eva_fastclip.engine.setup import resolve_deepspeed_config, resolve_precision
+
+        self.cfg, self.raw, self.opts, self.watchdog = cfg, raw, opts, watchdog
+        self.source = cfg.train.deepspeed_config
+        check_tunable(ds, self.source)
+        if int(os.environ.get("RANK", "0")) == 0:  # before any probe: a bad path stops the search now
+            check_inputs(cfg, data=opts.data and not opts.estimate_only)
+        if opts.estimate_only:
+            self.rank, self.world_size = 0, opts.gpus
+            self.device = torch.device("cpu")  # where the activations are traced
+            hardware = Hardware(True, True, f"{opts.gpus} planned GPUs (bf16 native, as on A100 and H100)")
+        else:
+            from eva_fastclip.engine.process import init_process_group
+
+            self.rank, self.world_size, self.device = init_process_group()
+            hardware = common_hardware(detect_hardware())
+        self.layout = batch_layout(cfg, self.world_size)
+        self.global_batch = self.layout.global_batch
+        self.target = opts.contrastive_batch or self.global_batch
+        self.precision = resolve_precision(cfg, ds, source=self.source, hardware=hardware)
+        self.ds_input = ds
+        self.resolved = resolve_deepspeed_config(
+            ds, cfg, self.layout, source=self.source, precision=self.precision
+        )
+        self.limit = self._memory_limit()
+        self.budget = int(self.limit * (1.0 - opts.margin))
+        self.notes: list[str] = []
+        self.not_measured: list[str] = []
+        # the probes' output folder (their Trainers' logs), removed at the end
+        self.scratch = opts.output.with_name(opts.output.stem + ".probes")
+
+    # ---- set-up ---------------------------------------------------------------------------------------
+
+    def _memory_limit(self) -> int:
+        opts = self.opts
+        if opts.estimate_only:
+            return int(opts.gpu_memory_gib * GIB)
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            if opts.memory_limit_gib is None:
+                return total
+            limit = int(opts.memory_limit_gib * GIB)
+            if limit > total:
+                raise ConfigError(
+                    f"--memory-limit-gib {opts.memory_limit_gib} is more than this GPU's "
+                    f"{total / GIB:.1f} GiB: leave it out to use the whole GPU"
+                )
+            torch.cuda.set_per_process_memory_fraction(limit / total, self.device)  # a real OOM above it
+            return limit
+        if opts.memory_limit_gib is not None:
+            return int(opts.memory_limit_gib * GIB)
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks_here
+
+    def _trace(self) -> dict[str, Any]:
+        """The model's facts and activation slopes, traced by rank 0 in the run's precision."""
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision.name, torch.float32)
+        if dtype == torch.float16 and self.device.type == "cpu":
+            dtype = torch.bfloat16  # the same bytes; CPUs have no fp16 kernels for every op
+        traced = None
+        if self.rank == 0:
+            with quiet_set_up():
+                activations, facts = trace_activations(self.cfg, dtype, self.device)
+            traced = {"activations": activations, **facts}
+        return _broadcast(traced)
+
+    def _table_rows(self) -> int:
+        from eva_fastclip.engine import preflight
+
+        if self.cfg.loss.name == "openclip":
+            return 0
+        if self.cfg.data.index_size is not None:
+            return self.cfg.data.index_size
+        rows = None
+        if self.rank == 0:
+            try:
+                rows = preflight.data_sizes(self.cfg).index_size
+            except ValueError as err:
+                raise ConfigError(f"the per-sample table's size: {err}") from None
+        return _broadcast(rows) or 0
+
+    # ---- the search -----------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        traced = self._trace()
+        trainable = traced["trainable"]
+        self.ds, bucket_note = cap_reduce_bucket(self.ds_input, trainable)
+        if bucket_note and self.world_size > 1:
+            self.notes.append(bucket_note)
+        resolved, _ = cap_reduce_bucket(self.resolved, trainable)
+        self.footprint = footprint_of(
+            self.cfg,
+            resolved,
+            parameters=traced["parameters"],
+            trainable=trainable,
+            embed_dim=traced["embed_dim"],
+            image_shape=tuple(traced["image_shape"]),
+            table_rows=self._table_rows(),
+            activations=traced["activations"],
+            device="cuda" if self.opts.estimate_only else self.device.type,
+        )
+        stages = (0,) if self.world_size == 1 else ZERO_STAGES  # one rank: ZeRO partitions nothing
+        if self.world_size == 1:
+            self.notes.append("one rank: ZeRO-1/2 partition nothing, so only stage 0 is considered")
+        self.trials = []
+        for candidate in candidates(self.global_batch, self.world_size, stages):
+            breakdown = estimate(candidate, self.footprint)
+            self.trials.append(Trial(candidate, breakdown["peak"], breakdown))
+        self._previous = _broadcast(self._read_previous() if self.rank == 0 else None)  # rank 0 writes it
+        if self.opts.estimate_only:
+            self.not_measured.append("everything: an estimate-only plan (peak_gib and samples_per_s null)")
+        else:
+            self._search()
+        chosen = assign_verdicts(self.trials, self.budget, self.target)
+        data = self._tune_data(chosen) if chosen is not None and not self.opts.estimate_only else {}
+        return self._finish(chosen, data, traced)
+
+    def _search(self) -> None:
+        for trial in self._initial_probes():
+            self._probe_down(trial)
+        measured = [t for t in self.trials if t.samples_per_s is not None and fits(t, self.budget)]
+        if not measured:
+            return
+        best = min(measured, key=lambda t: preference(t, self.target))
+        larger = next_larger(self.trials, best)
+        if larger is None:  # the largest micro-batch fits: its next smaller is the slope's second point
+            smaller = [
+                t for t in self.trials if t.candidate.option == best.candidate.option and t is not best
+            ]
+            if smaller:
+                self._probe(max(smaller, key=lambda t: t.candidate.micro_batch))
+            return
+        while larger is not None:  # the bracket: the next size should not fit; if it does, go on
+            self._probe(larger)
+            if not fits(larger, self.budget):
+                break
+            larger = next_larger(self.trials, larger)
+
+    def _initial_probes(self) -> list[Trial]:
+        """Per option the largest micro-batch estimated to fit, less the options a cheaper one beats:
+        checkpointing or a higher ZeRO stage that fits no larger a micro-batch, and micro contrastive
+        batches below the target where a global one fits."""
+        best = largest_fitting(self.trials, self.budget)
+        picks: list[Trial] = []
+        for ckpt in (False, True):
+            for stage in sorted({option[1] for option in best}):
+                micro, whole = best.get((ckpt, stage, "micro")), best.get((ckpt, stage, "global"))
+                if micro is not None and micro.candidate.contrastive_batch >= self.target:
+                    pick = micro
+                else:
+                    pick = whole or micro
+                if pick is None:
+                    continue
+                cheaper = [
+                    p
+                    for p in picks
+                    if p.candidate.micro_batch >= pick.candidate.micro_batch
+                    and p.candidate.contrastive_batch >= pick.candidate.contrastive_batch
+                ]
+                if not cheaper:
+                    picks.append(pick)
+        return picks
+
+    def _probe_down(self, trial: Trial) -> None:
+        """Probe ``trial``; if it does not fit, the next smaller micro-batches of its option."""
+        for _ in range(STEPS_DOWN):
+            self._probe(trial)
+            if fits(trial, self.budget):
+                return
+            smaller = [
+                t
+                for t in self.trials
+                if t.candidate.option == trial.candidate.option
+                and t.candidate.micro_batch < trial.candidate.micro_batch
+            ]
+            if not smaller:
+                return
+            trial = max(smaller, key=lambda t: t.candidate.micro_batch)
+
+    def _probe(self, trial: Trial) -> None:
+        from eva_fastclip.tune.probe import model_probe
+
+        if trial.peak is not None or trial.oom:
+            return
+        name = trial.candidate.name()
+        previous = self._previous.get(name)
+        if previous is not None:  # measured by an earlier run of this search, or the probe it died in
+            trial.peak, trial.oom = previous["peak"], previous["oom"]
+            trial.samples_per_s, trial.why = previous["samples_per_s"], previous["why"]
+            if trial.samples_per_s:
+                trial.step_s = self.global_batch / trial.samples_per_s
+            return
+        if self.rank == 0:
+            log.info("probe %s (estimate %.2f GiB)", name, trial.est_peak / GIB)
+        if self.watchdog is not None:
+            self.watchdog.set_phase("start-up", 0)
+        self._save_progress(in_flight=name)  # a search that dies here skips this probe when run again
+        try:
+            result = model_probe(
+                self.cfg,
+                self.ds,
+                trial.candidate,
+                image_shape=self.footprint.image_shape,
+                context_length=self._context_length(),
+                output_dir=str(self.scratch),
+                limit=self.limit if self.device.type == "cpu" and self.opts.memory_limit_gib else None,
+                watchdog=self.watchdog,
+            )
+        except DeviceUnusable as err:
+            trial.oom, trial.why = True, f"the device was unusable after it: {err}"
+            self._save_progress()
+            raise
+        trial.oom, trial.peak = result.oom, result.peak
+        if result.step_s:
+            trial.step_s = result.step_s
+            trial.samples_per_s = self.global_batch / result.step_s
+        if result.oom:
+            trial.why = "out of memory" + (f": {result.detail}" if result.detail else "")
+        if self.rank == 0:
+            peak = "out of memory" if result.oom else f"peak {result.peak / GIB:.3f} GiB"
+            speed = f", {trial.samples_per_s:.1f} samples/s" if trial.samples_per_s else ""
+            log.info("  %s%s", peak, speed)
+        self._save_progress()
+
+    def _context_length(self) -> int:
+        import open_clip
+
+        text = open_clip.get_model_config(self.cfg.model.name).get("text_cfg", {})
+        return int(text.get("context_length", 77))
+
+    # ---- data -----------------------------------------------------------------------------------------
+
+    def _tune_data(self, chosen: Trial) -> dict[str, Any]:
+        """The fewest loader workers per rank (and the decode) that keep the data wait under 5% at the
+        chosen layout's step, measured on the real loader; or what it would take."""
+        from eva_fastclip.engine.data_wait import cores_per_rank, workers_needed
+
+        if not self.opts.data:
+            self.not_measured.append("the data rate (--no-data): data.workers and data.image_decode kept")
+            return {}
+        cores = cores_per_rank()
+        decode = self.cfg.data.image_decode
+        runs: list[dict[str, Any]] = []
+        workers, statement = 1, None
+        while True:
+            result = self._data_run(chosen, workers, decode)
+            runs.append(dataclasses.asdict(result))
+            if result.data_wait <= DATA_WAIT_TARGET or len(runs) >= 4:
+                break
+            needed = workers_needed(result.data_wait, workers)
+            if needed is None or needed > cores:
+                statement = (
+                    f"the loader cannot keep up: at {workers} worker(s) per rank training waited "
+                    f"{result.data_wait:.0%} of the time, and keeping up would take "
+                    f"{'more than ' + str(cores) if needed is None else needed} workers per rank "
+                    f"({'?' if needed is None else needed * self.world_size} cores for {self.world_size} "
+                    f"rank(s)), more than the {cores} cores per rank here: the run is CPU- or storage-bound "
+                    "(cheaper samples: smaller images in the shards"
+                    + (", or data.image_decode=gpu" if torch.cuda.is_available() else "")
+                    + ")"
+                )
+                break
+            if len(runs) > 1 and result.samples_per_s <= runs[-2]["samples_per_s"] * 1.05:
+                statement = (
+                    f"more workers did not speed the loader up ({runs[-2]['workers']} -> {workers} per rank: "
+                    f"{runs[-2]['samples_per_s']:.1f} -> {result.samples_per_s:.1f} samples/s): "
+                    "storage-bound or CPU-bound"
+                )
+                break
+            workers = max(needed, workers + 1)
+        best = min(runs, key=lambda r: (r["data_wait"] > DATA_WAIT_TARGET, r["workers"]))
+        if torch.cuda.is_available() and decode == "workers" and best["data_wait"] > DATA_WAIT_TARGET:
+            gpu = dataclasses.asdict(self._data_run(chosen, best["workers"], "gpu"))
+            runs.append(gpu)
+            if gpu["data_wait"] < best["data_wait"]:
+                best = gpu
+        elif not torch.cuda.is_available():
+            self.not_measured.append("data.image_decode=gpu: no CUDA device here")
+        chosen.data_wait = best["data_wait"]
+        if statement and best["data_wait"] > DATA_WAIT_TARGET:
+            self.notes.append(statement)
+        return {
+            "workers": best["workers"],
+            "image_decode": best["image_decode"],
+            "runs": runs,
+            "chosen": best,
+        }
+
+    def _data_run(self, chosen: Trial, workers: int, decode: str):
+        from eva_fastclip.tune.probe import data_probe
+
+        if self.rank == 0:
+            log.info("data: %d worker(s) per rank, decode on %s", workers, decode)
+        if self.watchdog is not None:
+            self.watchdog.set_phase("start-up", 0)
+        result = data_probe(
+            self.cfg,
+            self.ds,
+            chosen.candidate,
+            workers=workers,
+            image_decode=decode,
+            output_dir=str(self.scratch),
+            watchdog=self.watchdog,
+        )
+        if self.rank == 0:
+            log.info(
+                "  data wait %.1f%%, %.1f samples/s end to end", 100 * result.data_wait, result.samples_per_s
+            )
+        return result
+
+    # ---- results --------------------------------------------------------------------------------------
+
+    def _fingerprint(self) -> str:
+        return _fingerprint(
+            self.cfg.to_dict(), self.ds_input, self.world_size, self.limit, self.opts.margin, self.device.type
+        )
+
+    def _read_previous(self) -> dict[str, dict[str, Any]]:
+        """Probes of an earlier run of the same search (same config, ranks, limit, device), by name."""
+        path = report.trials_path(self.opts.output)
+        if self.opts.estimate_only or not path.is_file():
+            return {}
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
+        if saved.get("fingerprint") != self._fingerprint():
+            return {}
+        previous = {
+            row["name"]: {
+                "peak": None if row["peak_gib"] is None else int(row["peak_gib"] * GIB),
+                "oom": row["oom"],
+                "samples_per_s": row["samples_per_s"],
+                "why": row["why"] if row["oom"] else "",
+            }
+            for row in saved.get("trials", [])
+            if row.get("probed")
+        }
+        died_in = saved.get("in_flight")
+        if died_in:  # killed in it (a hang its watchdog ended, a device error): not probed again
+            previous[died_in] = {
+                "peak": None,
+                "oom": True,
+                "samples_per_s": None,
+                "why": "the previous search ended during this probe (killed, hung or the device failed)",
+            }
+        return previous
+
+    def _trials_payload(self, in_flight: str | None = None) -> dict[str, Any]:
+        rows = []
+        for t in self.trials:
+            row = report.trial_row(t)
+            row.update(name=t.candidate.name(), probed=t.peak is not None or t.oom, oom=t.oom)
+            rows.append(row)
+        return {
+            "fingerprint": self._fingerprint(),
+            "global_batch": self.global_batch,
+            "world_size": self.world_size,
+            "memory_limit_gib": self.limit / GIB,
+            "budget_gib": self.budget / GIB,
+            "in_flight": in_flight,
+            "trials": rows,
+        }
+
+    def _save_progress(self, in_flight: str | None = None) -> None:
+        if self.rank == 0:
+            report.write_json(report.trials_path(self.opts.output), self._trials_payload(in_flight))
+
+    def _finish(self, chosen: Trial | None, data: dict[str, Any], traced: dict[str, Any]) -> dict[str, Any]:
+        self.not_measured += [
+            "evaluation memory (eval.batch_size is not probed: evaluation runs without gradients)",
+        ]
+        if not self.opts.estimate_only:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.world_size)))
+            if local == self.world_size and self.world_size > 1:
+                self.not_measured.append("inter-node bandwidth: every rank is on this node")
+            if self.footprint.device == "cuda" and self.footprint.table_rows:
+                self.not_measured.append("the per-sample table (host memory, estimated)")
+        summary = {
+            "chosen": None if chosen is None else report.trial_row(chosen),
+            "config": None,
+            "deepspeed_config": None,
+            "precision": self.precision.name,
+            "estimates_only": self.opts.estimate_only,
+            "not_measured": self.not_measured,
+            "notes": self.notes,
+            "data": data,
+        }
+        if self.rank != 0:
+            return summary
+        shutil.rmtree(self.scratch, ignore_errors=True)
+        payload = self._trials_payload()
+        payload.update(
+            precision=self.precision.name,
+            model={k: traced[k] for k in ("parameters", "trainable", "embed_dim", "image_shape")},
+            activations_bytes_per_sample={
+                "no_checkpointing": traced["activations"][False][0],
+                "checkpointing": traced["activations"][True][0],
+            },
+            not_measured=self.not_measured,
+            notes=self.notes,
+            data=data,
+            estimates_only=self.opts.estimate_only,
+        )
+        report.write_json(report.trials_path(self.opts.output), payload)
+        print(report.format_table(self.trials, self.limit / GIB, self.budget / GIB))
+        if chosen is None:
+            smallest = min(self.trials, key=lambda t: t.known_peak)
+            raise ConfigError(
+                f"no layout of the global batch {self.global_batch} fits {self.budget / GIB:.2f} GiB a rank "
+                f"(the limit less the margin); the smallest, {smallest.candidate.name()}, needs "
+                f"{smallest.known_peak / GIB:.2f} GiB: more ranks or more memory "
+                f"(trials in {report.trials_path(self.opts.output)})"
+            )
+        ds_out = report.ds_path(self.opts.output)
+        ds_json = json.loads(json.dumps(self.ds))
+        ds_json.setdefault("zero_optimization", {})["stage"] = chosen.candidate.zero_stage
+        report.write_json(ds_out, ds_json)
+        record = self._record(chosen, data)
+        config = report.tuned_config(self.raw, chosen, str(ds_out), data, record)
+        report.write_json(self.opts.output, config)
+        summary.update(config=str(self.opts.output), deepspeed_config=str(ds_out))
+        print(self._describe(chosen, data))
+        return summary
+
+    def _record(self, chosen: Trial, data: dict[str, Any]) -> dict[str, Any]:
+        c, measured = chosen.candidate, chosen.peak is not None
+        peak = f"{chosen.known_peak / GIB:.3f} GiB {'measured' if measured else 'estimated'}"
+        speed = (
+            f"{chosen.samples_per_s:.1f} samples/s measured" if chosen.samples_per_s else "speed not measured"
+        )
+        why = {
+            "train.max_micro_batch": (
+                f"{c.micro_batch} ({c.grad_accum_steps} micro-batch(es) a step on {c.world_size} rank(s)): "
+                f"{peak}, budget {self.budget / GIB:.3f} GiB; {speed}"
+            ),
+            "train.contrastive_batch": (
+                f"{c.contrastive}: each loss evaluation sees {c.contrastive_batch} pairs "
+                f"(asked for: {self.target})"
+            ),
+            "model.grad_checkpointing": f"{c.grad_checkpointing}",
+            "zero_optimization.stage": f"{c.zero_stage} (in {report.ds_path(self.opts.output).name})",
+        }
+        if data.get("chosen"):
+            best = data["chosen"]
+            why["data.workers"] = (
+                f"{best['workers']}: data wait {best['data_wait']:.1%} at {best['samples_per_s']:.1f} "
+                "samples/s end to end, the fewest workers per rank under 5%"
+                if best["data_wait"] <= DATA_WAIT_TARGET
+                else f"{best['workers']}: data wait {best['data_wait']:.1%} (above 5%: see notes)"
+            )
+            why["data.image_decode"] = best["image_decode"]
+        return {
+            "by": "eva-fastclip tune",
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "world_size": self.world_size,
+            "device": self._device_name(),
+            "precision": self.precision.name,
+            "memory_limit_gib": round(self.limit / GIB, 3),
+            "margin": self.opts.margin,
+            "estimates_only": self.opts.estimate_only,
+            "why": why,
+            "notes": self.notes,
+            "not_measured": self.not_measured,
+            "trials": str(report.trials_path(self.opts.output)),
+        }
+
+    def _device_name(self) -> str:
+        if self.opts.estimate_only:
+            return f"{self.opts.gpus} GPUs of {self.opts.gpu_memory_gib:g} GiB (planned)"
+        if self.device.type == "cuda":
+            return torch.cuda.get_device_name(self.device)
+        from eva_fastclip.bench.speed import cpu_model
+
+        return f"CPU ({cpu_model()})"
+
+    def _describe(self, chosen: Trial, data: dict[str, Any]) -> str:
+        c = chosen.candidate
+        lines = [
+            f"chosen: micro-batch {c.micro_batch} x {c.grad_accum_steps} accumulated on {c.world_size} "
+            f"rank(s) (global batch {c.global_batch}), contrastive batch {c.contrastive_batch} "
+            f"({c.contrastive}), gradient checkpointing {'on' if c.grad_checkpointing else 'off'}, "
+            f"ZeRO-{c.zero_stage}"
+            + (f", {data['workers']} loader worker(s) per rank" if data.get("workers") else ""),
+        ]
+        lines += [f"note: {note}" for note in self.notes]
+        lines += [f"not measured: {what}" for what in self.not_measured]
+        lines.append(
+            f"wrote {self.opts.output} (train --config), {report.ds_path(self.opts.output)}, "
+            f"{report.trials_path(self.opts.output)}"
+        )
+        return "\n".join(lines)

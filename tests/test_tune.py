@@ -1,0 +1,272 @@
+"""`eva-fastclip tune`: the layouts, the memory model against measured peaks, out-of-memory probes, and the
+search launched on 2 ranks as a user runs it (docs/launching.md, Tuning)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from launching import free_port, launcher_env
+
+from eva_fastclip.config import batch_layout, load_config, read_raw_config
+from eva_fastclip.data import write_toy_dataset
+from eva_fastclip.engine.setup import load_deepspeed_config
+from eva_fastclip.tensor_memory import StorageTracker
+from eva_fastclip.tune import TuneOptions, Tuner
+from eva_fastclip.tune.layouts import Candidate, Trial, assign_verdicts, candidates
+from eva_fastclip.tune.probe import model_probe
+
+REPO = Path(__file__).parents[1]
+MIB = 2**20
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tune_toy")
+    write_toy_dataset(out, num_train=1024, num_val=16, num_zeroshot=16, samples_per_shard=256, seed=0)
+    return out
+
+
+def toy_overrides(toy: Path, out: Path, global_batch: int = 64) -> list[str]:
+    return [
+        f'data.train_shards=["{toy / "train"}"]',
+        "data.workers=1",
+        "train.batch_size=null",
+        f"train.global_batch={global_batch}",
+        f"train.output_dir={out}",
+    ]
+
+
+# ---- layouts and the objective ------------------------------------------------------------------------
+
+
+def test_candidates_are_every_layout_of_the_global_batch():
+    found = candidates(128, 2)
+    micro = sorted({c.micro_batch for c in found})
+    assert micro == [1, 2, 4, 8, 16, 32, 64]  # the divisors of a rank's share, 64
+    for c in found:
+        assert c.global_batch == 128
+        assert c.micro_batch * c.grad_accum_steps == 64
+        assert c.contrastive_batch == (128 if c.contrastive == "global" else 2 * c.micro_batch)
+    # a global contrastive batch only where there is accumulation; 3 stages, 2 checkpointing settings
+    assert not [c for c in found if c.contrastive == "global" and c.grad_accum_steps == 1]
+    assert len(found) == 6 * (1 + 2 * 6)
+
+
+def _trial(micro, accum, contrastive="micro", peak=None, speed=None, oom=False, est=None, stage=0):
+    candidate = Candidate(micro, accum, contrastive, False, stage, 2)
+    est = est if est is not None else (peak if peak is not None else 0)
+    return Trial(candidate, est, {"peak": est}, peak=peak, samples_per_s=speed, oom=oom)
+
+
+def test_verdicts_follow_the_objective_in_its_order():
+    budget = 100
+    trials = {
+        "whole": _trial(64, 1, peak=120, speed=900.0),  # the reference's batch, over the budget
+        "oom": _trial(64, 1, oom=True, stage=1),
+        "global": _trial(32, 2, "global", peak=90, speed=500.0),  # c = 128, fits
+        "micro fast": _trial(32, 2, peak=80, speed=700.0),  # faster but c = 64 < 128
+        "global slow": _trial(16, 4, "global", peak=60, speed=300.0),  # c = 128, slower
+        "unprobed": _trial(8, 8, "global", est=50),  # fits by estimate only
+        "estimated over": _trial(64, 1, est=150, stage=2),
+    }
+    chosen = assign_verdicts(list(trials.values()), budget, target_contrastive=128)
+    assert chosen is trials["global"]  # fits, reaches c = 128, the fastest that does
+    verdicts = {name: t.verdict for name, t in trials.items()}
+    assert verdicts == {
+        "whole": "over_limit",
+        "oom": "oom",
+        "global": "chosen",
+        "micro fast": "fits",  # a smaller contrastive batch: not compared on speed
+        "global slow": "slower",
+        "unprobed": "fits",
+        "estimated over": "over_limit",
+    }
+    assert trials["whole"].why.startswith("measured") and trials["estimated over"].why.startswith("estimated")
+    # asked for a contrastive batch of 64: the fastest that reaches it wins
+    assert assign_verdicts(list(trials.values()), budget, target_contrastive=64) is trials["micro fast"]
+    # nothing fits
+    assert assign_verdicts([_trial(64, 1, peak=120)], budget, 128) is None
+
+
+def test_storage_tracker_limit_raises_where_a_device_would():
+    kept = []
+    with StorageTracker(limit=3 * MIB) as tracker:
+        kept.append(torch.zeros(MIB // 4))  # 1 MiB of float32
+        kept.append(torch.zeros(MIB // 4))
+        with pytest.raises(torch.OutOfMemoryError, match=r"would reach 3\.0 MiB.*over the limit of 3\.0 MiB"):
+            kept.append(torch.zeros(MIB // 4 + 1))  # 1 MiB and 4 bytes: over
+        del kept[:]
+        torch.zeros(2 * MIB // 4)  # freed first: fits again
+    assert tracker.peak >= 2 * MIB
+
+
+# ---- the memory model against measured peaks (one rank, in this process) ----------------------------
+
+
+def test_estimates_are_within_15_percent_of_the_measured_peaks(toy, tmp_path):
+    overrides = toy_overrides(toy, tmp_path / "run")
+    cfg = load_config(REPO / "configs/toy.json", overrides)
+    raw = read_raw_config(REPO / "configs/toy.json", overrides)
+    ds = load_deepspeed_config(REPO / cfg.train.deepspeed_config)
+    output = tmp_path / "tuned.json"
+    tuner = Tuner(cfg, raw, ds, TuneOptions(output=output, data=False))
+    summary = tuner.run()
+    probed = [t for t in tuner.trials if t.peak is not None]
+    assert len({t.candidate.micro_batch for t in probed}) >= 2  # the slope needs two sizes
+    for t in probed:
+        assert abs(t.est_peak / t.peak - 1) <= 0.15, (t.candidate.name(), t.est_peak, t.peak)
+    trials = json.loads((tmp_path / "tuned.trials.json").read_text())
+    assert {row["verdict"] for row in trials["trials"]} <= {"chosen", "fits", "slower", "over_limit", "oom"}
+    assert sum(row["verdict"] == "chosen" for row in trials["trials"]) == 1
+    # the tuned config keeps the global batch and trains the chosen layout
+    tuned = load_config(output)
+    layout = batch_layout(tuned, 1)
+    chosen = summary["chosen"]
+    assert layout.global_batch == 64
+    assert (layout.micro_batch, layout.grad_accum_steps) == (
+        chosen["micro_batch"],
+        chosen["grad_accum_steps"],
+    )
+    assert json.loads(output.read_text())["tuned"]["why"]["train.max_micro_batch"].startswith(
+        str(chosen["micro_batch"])
+    )
+    assert load_deepspeed_config(tuned.train.deepspeed_config)["zero_optimization"]["stage"] == 0
+
+    # a search that died during a probe goes on without it when run again (its other probes kept)
+    trials["in_flight"] = chosen_name = next(
+        t.candidate.name() for t in tuner.trials if t.verdict == "chosen"
+    )
+    for row in trials["trials"]:
+        if row["name"] == chosen_name:
+            row.update(probed=False, peak_gib=None, samples_per_s=None)
+    (tmp_path / "tuned.trials.json").write_text(json.dumps(trials))
+    again = Tuner(cfg, raw, ds, TuneOptions(output=output, data=False))
+    again.run()
+    died = next(t for t in again.trials if t.candidate.name() == chosen_name)
+    assert died.verdict == "oom" and "ended during this probe" in died.why
+    kept = {t.candidate.name(): t.peak for t in again.trials if t.peak is not None}
+    assert kept == {t.candidate.name(): t.peak for t in probed if t.candidate.name() != chosen_name} | kept
+
+
+def test_an_out_of_memory_probe_frees_what_it_held(toy, tmp_path):
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    cfg = load_config(REPO / "configs/toy.json", toy_overrides(toy, tmp_path / "run"))
+    ds = load_deepspeed_config(REPO / cfg.train.deepspeed_config)
+    candidate = Candidate(64, 2, "micro", False, 0, 1)
+    shape = dict(image_shape=(3, 64, 64), context_length=32, output_dir=str(tmp_path / "probe"))
+    failed = model_probe(cfg, ds, candidate, limit=64 * MIB, **shape)
+    assert failed.oom and failed.peak is None and "over the limit of 64.0 MiB" in failed.detail
+    assert not [o for o in _objects() if isinstance(o, DeepSpeedEngine)]  # the half-built engine too
+    with StorageTracker(keep_peak_tensors=False) as after:
+        ok = model_probe(cfg, ds, candidate, limit=None, **shape)
+    assert not ok.oom and ok.step_s > 0
+    assert after.current < 4 * MIB  # what the second probe made is gone with it
+
+
+def _objects():
+    import gc
+    import warnings
+
+    gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return list(gc.get_objects())
+
+
+# ---- out of memory agreed across ranks ----------------------------------------------------------------
+
+
+def _agree_worker(rank: int, port: int, toy: str, out: str, results: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE="2",
+    )  # fmt: skip
+    cfg = load_config(REPO / "configs/toy.json", toy_overrides(Path(toy), Path(out)))
+    ds = load_deepspeed_config(REPO / cfg.train.deepspeed_config)
+    candidate = Candidate(32, 2, "micro", False, 1, 2)
+    shape = dict(image_shape=(3, 64, 64), context_length=32, output_dir=out)
+    # both ranks run out at the same allocation (the ranks are symmetric); the flag is all-reduced after
+    first = model_probe(cfg, ds, candidate, limit=48 * MIB, **shape)
+    second = model_probe(cfg, ds, candidate, limit=None, **shape)
+    Path(results, f"{rank}.json").write_text(json.dumps([first.oom, second.oom, second.peak]))
+    dist.barrier()
+
+
+def test_an_out_of_memory_probe_is_agreed_and_the_next_runs_on_every_rank(toy, tmp_path):
+    mp.spawn(_agree_worker, args=(free_port(), str(toy), str(tmp_path / "out"), str(tmp_path)), nprocs=2)
+    results = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
+    assert [r[0] for r in results] == [True, True]
+    assert [r[1] for r in results] == [False, False]  # the process group and memory survived it
+    assert results[0][2] == results[1][2] > 0  # the largest peak of the ranks, agreed
+
+
+# ---- the whole search, launched as a user launches it -------------------------------------------------
+
+
+def tune_launch(args: list[str], log: Path) -> dict:
+    deepspeed = str(Path(sys.executable).parent / "deepspeed")
+    cmd = [deepspeed, "--num_gpus", "2", "--master_port", str(free_port()), "--module", "eva_fastclip"]
+    proc = subprocess.run(
+        cmd + args, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=600
+    )
+    log.write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.launcher
+def test_tune_on_two_ranks_fits_a_limit_between_two_measured_peaks_and_trains(toy, tmp_path):
+    overrides = toy_overrides(toy, tmp_path / "run", global_batch=128)  # the issue's command
+    common = ["--config", "configs/toy.json", *[a for o in overrides for a in ("--set", o)]]
+    first = tmp_path / "first.json"
+    tune_launch(["tune", *common, "--output", str(first)], tmp_path / "first.log")
+    rows = json.loads(first.with_name("first.trials.json").read_text())["trials"]
+    measured = sorted(
+        (
+            r
+            for r in rows
+            if r["peak_gib"] is not None and r["zero_stage"] == 0 and not r["grad_checkpointing"]
+        ),
+        key=lambda r: -r["micro_batch"],
+    )
+    largest, next_one = measured[0], measured[1]
+    assert (largest["micro_batch"], next_one["micro_batch"]) == (64, 32)
+    assert largest["peak_gib"] > next_one["peak_gib"]
+    assert json.loads(first.read_text())["tuned"]["why"]["data.workers"].startswith("1:")
+
+    limit = (largest["peak_gib"] + next_one["peak_gib"]) / 2
+    second = tmp_path / "second.json"
+    out = tune_launch(
+        ["tune", *common, "--output", str(second), "--memory-limit-gib", str(limit), "--memory-margin", "0",
+         "--no-data"],
+        tmp_path / "second.log",
+    )  # fmt: skip
+    payload = json.loads(second.with_name("second.trials.json").read_text())
+    chosen = [r for r in payload["trials"] if r["verdict"] == "chosen"]
+    assert len(chosen) == 1 and chosen[0]["peak_gib"] is not None and chosen[0]["peak_gib"] <= limit
+    same_as_largest = [
+        r for r in payload["trials"]
+        if (r["micro_batch"], r["zero_stage"], r["grad_checkpointing"], r["contrastive_mode"])
+        == (64, 0, False, "micro")
+    ]  # fmt: skip
+    assert same_as_largest[0]["verdict"] in ("over_limit", "oom")
+    assert "chosen:" in out and f"memory limit {limit:.3g} GiB" in out
+
+    tuned = load_config(second)
+    assert tuned.train.global_batch == 128 and tuned.train.max_micro_batch == chosen[0]["micro_batch"]
+    trained = tmp_path / "trained"
+    tune_launch(
+        ["train", "--config", str(second), "--set", "train.steps=2", "--set", f"train.output_dir={trained}",
+         "--set", "eval.zeroshot_dir=null", "--set", "eval.retrieval_shards=null"],
+        tmp_path / "train.log",
+    )  # fmt: skip
+    assert (trained / "checkpoints" / "step_00000002").is_dir()
+    steps = [json.loads(line) for line in (trained / "train_log.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
