@@ -74,7 +74,9 @@ class StorageTracker(TorchDispatchMode):
         super().__init__()
         self.keep_peak_tensors = keep_peak_tensors
         self.limit = limit
-        self.live: dict[int, _Entry] = {}  # storage data_ptr -> entry
+        # storage -> entry, by its StorageImpl's address: unique while it lives, and defined for the
+        # storages of fake tensors too (tune traces a model on them: no memory, the same sizes)
+        self.live: dict[int, _Entry] = {}
         self.current = 0
         self.peak = 0
         self.allocated = 0  # every byte ever registered (to see churn)
@@ -89,7 +91,7 @@ class StorageTracker(TorchDispatchMode):
             self._serial, storage.nbytes(), op, tuple(t.shape), str(t.dtype).replace("torch.", ""),
             self.phase, _where(),
         )  # fmt: skip
-        ptr = storage.data_ptr()
+        ptr = storage._cdata
         self.live[ptr] = entry
         self.current += entry.nbytes
         self.allocated += entry.nbytes
@@ -116,7 +118,7 @@ class StorageTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         inputs = {
-            x.untyped_storage().data_ptr()
+            x.untyped_storage()._cdata
             for x in tree_flatten((args, kwargs))[0]
             if isinstance(x, torch.Tensor) and x.device.type != "meta"
         }
@@ -125,8 +127,8 @@ class StorageTracker(TorchDispatchMode):
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
             storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr == 0 or storage.nbytes() == 0 or ptr in self.live:
+            ptr = storage._cdata
+            if storage.nbytes() == 0 or ptr in self.live:
                 continue
             if ptr in inputs and not fresh_alias:
                 continue

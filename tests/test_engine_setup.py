@@ -296,3 +296,19 @@ def test_ranks_on_different_cpus_agree_on_one_precision(tmp_path):
     results = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
     assert [native for native, _ in results] == [False, False]
     assert "another rank runs on CPU of rank 1" in results[0][1]
+
+
+def test_batchnorm_towers_train_in_bf16(tmp_path):
+    """DeepSpeed casts parameters, not buffers: BatchNorm's running statistics follow its weights."""
+    from eva_fastclip.bench.speed import bench_trainer, synthetic_batch
+
+    batch = synthetic_batch(4, (32, 32), 16, 49408)
+    trainer = bench_trainer(
+        "test-rn-xs", 0.0, 4, batch, str(tmp_path), "ds_configs/zero1_lamb.json", ("train.precision=bf16",)
+    )
+    norms = [m for m in trainer.engine.module.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert norms and all(m.running_mean.dtype == m.weight.dtype == torch.bfloat16 for m in norms)
+    before = norms[0].running_mean.clone()
+    metrics = trainer.train_step(*batch)  # refused by the CPU kernel with fp32 statistics
+    assert math.isfinite(metrics["loss"]) and not torch.equal(norms[0].running_mean, before)
+    trainer.engine.destroy()

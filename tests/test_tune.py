@@ -270,3 +270,45 @@ def test_tune_on_two_ranks_fits_a_limit_between_two_measured_peaks_and_trains(to
     assert (trained / "checkpoints" / "step_00000002").is_dir()
     steps = [json.loads(line) for line in (trained / "train_log.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]
+
+
+# ---- planning a cluster run, and DeepSpeed's autotuner ------------------------------------------------
+
+
+def test_estimate_only_plans_the_laion_preset_for_8_and_32_gpus_keeping_its_batch(tmp_path):
+    path = REPO / "configs/laion_vitb16_fastclip_v3.json"
+    cfg, raw = load_config(path), read_raw_config(path)
+    ds = load_deepspeed_config(REPO / cfg.train.deepspeed_config)
+    chosen = {}
+    for gpus in (8, 32):
+        for memory in (40, 80):
+            output = tmp_path / f"plan_{gpus}x{memory}.json"
+            opts = TuneOptions(output=output, estimate_only=True, gpus=gpus, gpu_memory_gib=memory)
+            summary = Tuner(cfg, raw, ds, opts).run()
+            plan = load_config(output)
+            layout = batch_layout(plan, gpus)
+            assert layout.global_batch == 5120 == cfg.train.global_batch
+            assert summary["estimates_only"] and summary["chosen"]["peak_gib"] is None
+            assert summary["chosen"]["est_peak_gib"] <= 0.9 * memory
+            assert summary["chosen"]["contrastive_batch"] == 5120  # the reference's, in 40 GiB as in 80
+            rows = json.loads(output.with_name(output.stem + ".trials.json").read_text())["trials"]
+            assert all(r["peak_gib"] is None and r["samples_per_s"] is None for r in rows)
+            over = [r for r in rows if r["verdict"] == "over_limit"]
+            assert all(r["est_peak_gib"] > 0.9 * memory for r in over)
+            chosen[gpus, memory] = summary["chosen"]
+    # more memory never makes the plan need more recomputation or accumulation
+    for gpus in (8, 32):
+        small, large = chosen[gpus, 40], chosen[gpus, 80]
+        assert large["grad_accum_steps"] <= small["grad_accum_steps"]
+        assert large["grad_checkpointing"] <= small["grad_checkpointing"]
+
+
+def test_train_refuses_a_deepspeed_json_that_enables_the_autotuner(tmp_path):
+    from eva_fastclip.config import ConfigError
+    from eva_fastclip.engine.setup import resolve_deepspeed_config
+
+    cfg = load_config(REPO / "configs/toy.json")
+    ds = load_deepspeed_config(REPO / cfg.train.deepspeed_config)
+    ds["autotuning"] = {"enabled": True, "fast": True}
+    with pytest.raises(ConfigError, match="autotuner.*eva-fastclip tune"):
+        resolve_deepspeed_config(ds, cfg, batch_layout(cfg, 2), source="ds.json")

@@ -60,6 +60,12 @@ def resolve_deepspeed_config(
     checkpoint's), else chosen for ``hardware`` (this machine's device when None): engine/precision.py.
     """
     ds = copy.deepcopy(ds)
+    if ds.get("autotuning", {}).get("enabled", False):
+        raise ConfigError(
+            f"{source} enables DeepSpeed's autotuner, which changes the global batch (the recipe) and stops "
+            "the engine after its profile steps: remove the 'autotuning' section and run `eva-fastclip "
+            "tune` instead, which keeps train.global_batch (docs/launching.md, DeepSpeed's autotuner)"
+        )
     owned = [
         ("train_micro_batch_size_per_gpu", layout.micro_batch, layout.owners()["micro_batch"]),
         ("gradient_accumulation_steps", layout.grad_accum_steps, layout.owners()["grad_accum_steps"]),
@@ -299,9 +305,22 @@ def initialize_engine(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=engine_config
     )
     _undo_warm_up_step(engine)
+    _running_statistics_in_module_dtype(engine.module)
     if isinstance(optimizer, Lamb) and cfg.optim.lamb_trust_ratio == "per_tensor":
         attach_zero_partitions(optimizer, tensors)
     return engine
+
+
+def _running_statistics_in_module_dtype(module: nn.Module) -> None:
+    """DeepSpeed's bf16 / fp16 engines cast a module's parameters but not its buffers, so BatchNorm (RN
+    towers) would meet bf16 weights with fp32 running statistics, which PyTorch's CPU kernel refuses
+    ("expected scalar type BFloat16 but found Float"). Cast the statistics as ``module.to(dtype)`` does."""
+    for norm in module.modules():
+        if isinstance(norm, nn.modules.batchnorm._NormBase) and norm.weight is not None:
+            for name in ("running_mean", "running_var"):
+                buffer = getattr(norm, name)
+                if buffer is not None and buffer.dtype != norm.weight.dtype:
+                    setattr(norm, name, buffer.to(norm.weight.dtype))
 
 
 def _undo_warm_up_step(engine) -> None:

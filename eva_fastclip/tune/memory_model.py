@@ -16,11 +16,13 @@ makes (DeepSpeed 0.19's ZeRO-0/1/2 engines, our LAMB or AdamW, our losses), with
                loss's buffers (the contrastive batch's gathered features and their gradients, fp32, and
                one streamed row block) and, with ``train.contrastive_batch=global``, the step's cached
                features and held images (engine/contrastive_step.py's ``held_bytes``)
-    step       the gradients and their fp32 copy (4T, 4T/K under ZeRO-1/2) at the optimizer step
+    step       the gradients and their fp32 copy (4T, 4T/K under ZeRO-1/2) at the optimizer step, and
+               LAMB's update of the largest tensor, made in fp32 before its trust ratio is applied
 
-The activation line is the one thing not counted from shapes: it is measured (two micro-batch sizes,
-forward and backward of the bare model in the run's precision) because attention kernels, masking and
-checkpointing decide it. Probes then measure the whole peak; docs/benchmarks.md compares the two.
+The activation line is the one thing not counted from the parameters: it is traced (two micro-batch
+sizes, forward and backward of the bare model on fake tensors in the run's precision) because attention
+kernels, masking and checkpointing decide it. Probes then measure the whole peak; docs/benchmarks.md
+compares the two.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ class Footprint:
     #: bytes per sample and fixed bytes of a forward and backward, without and with grad checkpointing
     activations: dict[bool, tuple[float, float]]
     device: str = "cpu"  # where the tensors live: on CUDA the per-sample table is host memory
+    largest_tensor: int = 0  # elements of the largest trained tensor (LAMB's update is made per tensor)
+    optimizer: str = "Lamb"
 
     @property
     def image_bytes(self) -> int:
@@ -81,6 +85,7 @@ def footprint_of(
     table_rows: int,
     activations: dict[bool, tuple[float, float]],
     device: str,
+    largest_tensor: int = 0,
 ) -> Footprint:
     """The footprint of ``cfg`` under the resolved DeepSpeed JSON ``ds``."""
     zero = ds.get("zero_optimization", {})
@@ -99,6 +104,8 @@ def footprint_of(
         table_fields=TABLE_FIELDS.get(rule, COMPOSITIONAL_FIELDS),
         activations=activations,
         device=device,
+        largest_tensor=largest_tensor,
+        optimizer=ds.get("optimizer", {}).get("type", "Lamb"),
     )
 
 
@@ -131,7 +138,12 @@ def estimate(candidate, fp: Footprint) -> dict[str, int]:
     if candidate.contrastive == "global" and candidate.grad_accum_steps > 1:
         per_rank = b * candidate.grad_accum_steps
         backward["cached_step"] = 2 * candidate.global_batch * d * 4 + per_rank * fp.image_bytes
-    step = {"gradients": t * w, "fp32_gradients": 4 * t // shard}
+    step = {
+        "gradients": t * w,
+        "fp32_gradients": 4 * t // shard,
+        # our LAMB makes each tensor's update in fp32 before its trust ratio (engine/lamb.py)
+        "optimizer_update": 4 * fp.largest_tensor if fp.optimizer == "Lamb" else 0,
+    }
     on_device = sum(state.values()) + (table if fp.device == "cpu" else 0)
     transient = max(sum(backward.values()), sum(step.values()))
     return {
@@ -145,16 +157,22 @@ def estimate(candidate, fp: Footprint) -> dict[str, int]:
 
 
 def trace_activations(
-    cfg: ExperimentConfig, dtype: torch.dtype, device: torch.device, largest: int = 64
+    cfg: ExperimentConfig, dtype: torch.dtype, largest: int = 256
 ) -> tuple[dict[bool, tuple[float, float]], dict[str, Any]]:
     """The line ``a·b + a0`` through the peak tensor bytes of a forward and backward of the bare model
-    (``dtype`` on ``device``, train mode, the config's patch dropout), without and with gradient
-    checkpointing, at two micro-batch sizes b1 and 2·b1, b1 chosen so that the activations outweigh the
-    gradients twice (2·b1 up to ``largest``): at a smaller batch the peak is the gradients', and the line
-    through it would be too flat (its slope is at least the bytes a forward keeps per sample). With
-    checkpointing the peak includes the block recomputed in the backward, which the activations kept at
-    the forward's end do not show. Also returns the model's facts (parameters, trainable, embed_dim,
-    image shape)."""
+    (``dtype``, train mode, the config's patch dropout), without and with gradient checkpointing, at two
+    micro-batch sizes b1 and 2·b1, b1 chosen so that the activations outweigh the gradients twice (2·b1
+    up to ``largest``): at a smaller batch the peak is the gradients', and the line through it would be
+    too flat (its slope is at least the bytes a forward keeps per sample). With checkpointing the peak
+    includes the block recomputed in the backward, which the activations kept at the forward's end do
+    not show.
+
+    The model runs on fake tensors (``FakeTensorMode``: every op's output shape and dtype, no memory and
+    no arithmetic), with CPU kernels, under the exact storage count of ``tensor_memory.StorageTracker``:
+    seconds for any model on any machine, the same bytes as the real run on a CPU. Also returns the
+    model's facts (parameters, trainable, largest tensor, embed_dim, image shape)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     from eva_fastclip.models import create_model
     from eva_fastclip.models.kernels import configure_kernels
 
@@ -164,29 +182,48 @@ def trace_activations(
         model_cfg = dataclasses.replace(cfg.model, grad_checkpointing=checkpointing)
         bundle = create_model(model_cfg, temperature_init=cfg.loss.temperature_init)
         model = bundle.model
-        configure_kernels(model, device)
-        model.to(device=device, dtype=dtype).train()
+        configure_kernels(model, torch.device("cpu"))
+        model.to(dtype=dtype).train()
         params = list(model.parameters())
         trainable = sum(p.numel() for p in params if p.requires_grad)
         facts = {
             "parameters": sum(p.numel() for p in params),
             "trainable": trainable,
+            "largest_tensor": max((p.numel() for p in params if p.requires_grad), default=0),
             "embed_dim": bundle.embed_dim,
             "image_shape": bundle.image_shape,
         }
+        fake = FakeTensorMode()
+        _to_fake(model, fake)
+        del params
+        gc.collect()
         shape, context = bundle.image_shape, _context_length(model)
         grads = trainable * torch.empty((), dtype=dtype).element_size()
-        saved_per_sample = _measure(model, 2, shape, context, dtype, device)[0] / 2
+        saved_per_sample = _measure(model, fake, 2, shape, context, dtype)[0] / 2
         b1 = min(largest // 2, max(2, math.ceil(2 * grads / max(saved_per_sample, 1.0))))
         b2 = 2 * b1
-        p1 = _measure(model, b1, shape, context, dtype, device)[1]
-        p2 = _measure(model, b2, shape, context, dtype, device)[1]
+        p1 = _measure(model, fake, b1, shape, context, dtype)[1]
+        p2 = _measure(model, fake, b2, shape, context, dtype)[1]
         # the line through the larger point: what a forward keeps grows exactly with the batch
         slope = max(saved_per_sample, (p2 - p1) / (b2 - b1))
         out[checkpointing] = (slope, max(0.0, p2 - slope * b2))
-        del model, bundle, params
+        del model, bundle
         gc.collect()
     return out, facts
+
+
+def _to_fake(model: torch.nn.Module, fake) -> None:
+    """Replace the model's parameters and buffers by fake tensors of the same shapes (in place: a
+    checkpointed block recomputes with the module's own parameters in the backward)."""
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                module._parameters[name] = torch.nn.Parameter(
+                    fake.from_tensor(param.detach()), requires_grad=param.requires_grad
+                )
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None:
+                module._buffers[name] = fake.from_tensor(buffer)
 
 
 def _context_length(model: torch.nn.Module) -> int:
@@ -196,35 +233,22 @@ def _context_length(model: torch.nn.Module) -> int:
     return int(length)
 
 
-def _measure(
-    model, batch: int, image_shape, context: int, dtype, device: torch.device
-) -> tuple[float, float]:
-    """A forward and backward of ``batch`` pairs: the bytes live at the forward's end (kept for the
-    backward) and the peak, both above what was there before."""
-    for p in model.parameters():
-        p.grad = None
-    images = torch.rand(batch, *image_shape, device=device).to(dtype)
-    tokens = torch.randint(1, 1000, (batch, context), device=device)
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        loss = _forward(model, images, tokens)
-        torch.cuda.synchronize(device)
-        saved = torch.cuda.memory_allocated(device) - before
-        loss.backward()
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - before
-    else:
+def _measure(model, fake, batch: int, image_shape, context: int, dtype) -> tuple[float, float]:
+    """A forward and backward of ``batch`` pairs on fake tensors: the bytes live at the forward's end
+    (kept for the backward) and the peak, both above what was there before."""
+    with fake:
+        for p in model.parameters():
+            p.grad = None
+        images = torch.rand(batch, *image_shape).to(dtype)
+        tokens = torch.randint(1, 1000, (batch, context))
         with StorageTracker(keep_peak_tensors=False) as tracker:
             loss = _forward(model, images, tokens)
             saved = tracker.current
             loss.backward()
         peak = tracker.peak
-    del loss
-    for p in model.parameters():
-        p.grad = None
+        del loss
+        for p in model.parameters():
+            p.grad = None
     return float(saved), float(peak)
 
 

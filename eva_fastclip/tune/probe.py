@@ -54,15 +54,25 @@ class ProbeResult:
 
 class SyntheticBatches:
     """The same micro-batch of random pairs again and again, as TrainLoader hands them (uint8 images,
-    normalised at the model's input), with distinct dataset indices per rank."""
+    normalised at the model's input), with distinct dataset indices per rank and the run's own number of
+    per-sample table rows (``table_rows``), so the loss holds the table the run would."""
 
-    def __init__(self, micro_batch: int, image_shape, context_length: int, rank: int, seed: int = 0) -> None:
+    def __init__(
+        self,
+        micro_batch: int,
+        image_shape,
+        context_length: int,
+        rank: int,
+        table_rows: int = 0,
+        seed: int = 0,
+    ) -> None:
         gen = torch.Generator().manual_seed(seed + rank)
         self.images = torch.randint(0, 256, (micro_batch, *image_shape), generator=gen, dtype=torch.uint8)
         self.tokens = torch.randint(1, 1000, (micro_batch, context_length), generator=gen)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.dataset_size = max(table_rows, micro_batch * world)
         self.indices = torch.arange(rank * micro_batch, (rank + 1) * micro_batch)
         self.num_batches = 10**9
-        self.dataset_size = 10**6  # indices of every rank fit; the per-sample table's rows are estimated
 
     def set_epoch(self, epoch: int) -> None:
         pass
@@ -130,6 +140,7 @@ def model_probe(
     limit: int | None,
     watchdog=None,
     steps: int = PROBE_STEPS,
+    table_rows: int = 0,
 ) -> ProbeResult:
     """Train ``candidate`` for ``1 + steps`` optimizer steps on synthetic batches; every rank calls it."""
     from eva_fastclip.engine.trainer import Trainer
@@ -146,7 +157,7 @@ def model_probe(
     oom, detail, trainer, batches, metrics = False, "", None, None, None
     try:
         with quiet_set_up(), tracker or contextlib.nullcontext():
-            batches = SyntheticBatches(candidate.micro_batch, image_shape, context_length, rank)
+            batches = SyntheticBatches(candidate.micro_batch, image_shape, context_length, rank, table_rows)
             trainer = Trainer(
                 probe_cfg, stage_config(ds, candidate.zero_stage), loader=batches, watchdog=watchdog
             )

@@ -28,6 +28,7 @@ import logging
 import math
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +130,10 @@ def cap_reduce_bucket(ds: dict[str, Any], trainable: int) -> tuple[dict[str, Any
     )
 
 
+#: traces of this process, by model, dtype and device: plans for several GPU counts trace once
+_TRACES: dict[str, dict[str, Any]] = {}
+
+
 def _broadcast(value: Any) -> Any:
     if dist.is_initialized() and dist.get_world_size() > 1:
         holder = [value]
@@ -156,6 +161,7 @@ class Tuner:
         from eva_fastclip.engine.setup import resolve_deepspeed_config, resolve_precision
 
         self.cfg, self.raw, self.opts, self.watchdog = cfg, raw, opts, watchdog
+        self.started = time.monotonic()
         self.source = cfg.train.deepspeed_config
         check_tunable(ds, self.source)
         if int(os.environ.get("RANK", "0")) == 0:  # before any probe: a bad path stops the search now
@@ -208,15 +214,18 @@ class Tuner:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks_here
 
     def _trace(self) -> dict[str, Any]:
-        """The model's facts and activation slopes, traced by rank 0 in the run's precision."""
+        """The model's facts and activation line, traced by rank 0 on fake tensors in the run's precision."""
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision.name, torch.float32)
-        if dtype == torch.float16 and self.device.type == "cpu":
-            dtype = torch.bfloat16  # the same bytes; CPUs have no fp16 kernels for every op
+        if dtype == torch.float16:
+            dtype = torch.bfloat16  # the same bytes; the trace runs CPU kernels, not all of them fp16
+        key = json.dumps([dataclasses.asdict(self.cfg.model), str(dtype)], sort_keys=True)
         traced = None
         if self.rank == 0:
-            with quiet_set_up():
-                activations, facts = trace_activations(self.cfg, dtype, self.device)
-            traced = {"activations": activations, **facts}
+            traced = _TRACES.get(key)
+            if traced is None:
+                with quiet_set_up():
+                    activations, facts = trace_activations(self.cfg, dtype)
+                traced = _TRACES[key] = {"activations": activations, **facts}
         return _broadcast(traced)
 
     def _table_rows(self) -> int:
@@ -237,6 +246,18 @@ class Tuner:
     # ---- the search -----------------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
+        traced = self.prepare()
+        if self.opts.estimate_only:
+            self.not_measured.append("everything: an estimate-only plan (peak_gib and samples_per_s null)")
+        else:
+            self._search()
+        chosen = assign_verdicts(self.trials, self.budget, self.target)
+        data = self._tune_data(chosen) if chosen is not None and not self.opts.estimate_only else {}
+        return self._finish(chosen, data, traced)
+
+    def prepare(self) -> dict[str, Any]:
+        """Trace the model, build the footprint and estimate every layout (``self.trials``); returns the
+        traced facts."""
         traced = self._trace()
         trainable = traced["trainable"]
         self.ds, bucket_note = cap_reduce_bucket(self.ds_input, trainable)
@@ -253,6 +274,7 @@ class Tuner:
             table_rows=self._table_rows(),
             activations=traced["activations"],
             device="cuda" if self.opts.estimate_only else self.device.type,
+            largest_tensor=traced["largest_tensor"],
         )
         stages = (0,) if self.world_size == 1 else ZERO_STAGES  # one rank: ZeRO partitions nothing
         if self.world_size == 1:
@@ -262,13 +284,7 @@ class Tuner:
             breakdown = estimate(candidate, self.footprint)
             self.trials.append(Trial(candidate, breakdown["peak"], breakdown))
         self._previous = _broadcast(self._read_previous() if self.rank == 0 else None)  # rank 0 writes it
-        if self.opts.estimate_only:
-            self.not_measured.append("everything: an estimate-only plan (peak_gib and samples_per_s null)")
-        else:
-            self._search()
-        chosen = assign_verdicts(self.trials, self.budget, self.target)
-        data = self._tune_data(chosen) if chosen is not None and not self.opts.estimate_only else {}
-        return self._finish(chosen, data, traced)
+        return traced
 
     def _search(self) -> None:
         for trial in self._initial_probes():
@@ -355,6 +371,7 @@ class Tuner:
                 self.cfg,
                 self.ds,
                 trial.candidate,
+                table_rows=self.footprint.table_rows,
                 image_shape=self.footprint.image_shape,
                 context_length=self._context_length(),
                 output_dir=str(self.scratch),
@@ -547,7 +564,10 @@ class Tuner:
         payload = self._trials_payload()
         payload.update(
             precision=self.precision.name,
-            model={k: traced[k] for k in ("parameters", "trainable", "embed_dim", "image_shape")},
+            model={
+                k: traced[k]
+                for k in ("parameters", "trainable", "largest_tensor", "embed_dim", "image_shape")
+            },
             activations_bytes_per_sample={
                 "no_checkpointing": traced["activations"][False][0],
                 "checkpointing": traced["activations"][True][0],
@@ -618,6 +638,7 @@ class Tuner:
             "notes": self.notes,
             "not_measured": self.not_measured,
             "trials": str(report.trials_path(self.opts.output)),
+            "seconds": round(time.monotonic() - self.started, 1),
         }
 
     def _device_name(self) -> str:
@@ -640,6 +661,7 @@ class Tuner:
         ]
         lines += [f"note: {note}" for note in self.notes]
         lines += [f"not measured: {what}" for what in self.not_measured]
+        lines.append(f"tune took {time.monotonic() - self.started:.0f} s")
         lines.append(
             f"wrote {self.opts.output} (train --config), {report.ds_path(self.opts.output)}, "
             f"{report.trials_path(self.opts.output)}"
