@@ -312,3 +312,32 @@ def test_train_refuses_a_deepspeed_json_that_enables_the_autotuner(tmp_path):
     ds["autotuning"] = {"enabled": True, "fast": True}
     with pytest.raises(ConfigError, match="autotuner.*eva-fastclip tune"):
         resolve_deepspeed_config(ds, cfg, batch_layout(cfg, 2), source="ds.json")
+
+
+def test_bad_requests_are_refused_before_any_probe(toy, tmp_path):
+    from eva_fastclip.config import ConfigError
+    from eva_fastclip.tune.tuner import cap_reduce_bucket, check_tunable
+
+    with pytest.raises(ConfigError, match="--gpus N and --gpu-memory-gib"):
+        TuneOptions(output=tmp_path / "t.json", estimate_only=True)
+    with pytest.raises(ConfigError, match="add --estimate-only"):
+        TuneOptions(output=tmp_path / "t.json", gpus=8)
+    with pytest.raises(ConfigError, match="must name a .json file"):
+        TuneOptions(output=tmp_path / "tuned")
+    with pytest.raises(ConfigError, match="fixes train_micro_batch_size_per_gpu=32.*auto"):
+        check_tunable({"train_micro_batch_size_per_gpu": 32}, "ds.json")
+    capped, note = cap_reduce_bucket({"zero_optimization": {"stage": 1}}, 7_981_057)
+    assert capped["zero_optimization"]["reduce_bucket_size"] == 8_000_000 and "5e+08 -> 8e+06" in note
+    assert cap_reduce_bucket({"zero_optimization": {"reduce_bucket_size": 1000}}, 10**6)[1] is None
+    # a limit nothing fits: one error naming the smallest layout's need, after the estimates alone
+    overrides = toy_overrides(toy, tmp_path / "run")
+    cfg, raw = (
+        load_config(REPO / "configs/toy.json", overrides),
+        read_raw_config(REPO / "configs/toy.json", overrides),
+    )
+    ds = load_deepspeed_config(REPO / cfg.train.deepspeed_config)
+    tiny = TuneOptions(output=tmp_path / "tiny.json", memory_limit_gib=0.01, data=False)
+    with pytest.raises(ConfigError, match=r"no layout of the global batch 64 fits 0\.01 GiB.*needs"):
+        Tuner(cfg, raw, ds, tiny).run()
+    rows = json.loads((tmp_path / "tiny.trials.json").read_text())["trials"]
+    assert {r["verdict"] for r in rows} == {"over_limit"} and not any(r["probed"] for r in rows)

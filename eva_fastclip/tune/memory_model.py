@@ -8,10 +8,12 @@ makes (DeepSpeed 0.19's ZeRO-0/1/2 engines, our LAMB or AdamW, our losses), with
                partition), the optimizer's two moments 8T — the masters and moments divided by K under
                ZeRO-1/2 — and the loss's per-sample table (host memory on a GPU: its own line)
     backward   the forward and backward's own peak a·b + a0 for a micro-batch of b (activations, the
-               block recomputed under checkpointing, the gradients made as they free: measured by
-               :func:`trace_activations`), at least the gradients T·w (T·w/K under ZeRO-2); the
-               model's input (the uint8 images normalised: 4 + w bytes a value); DeepSpeed's reduce
-               bucket (``reduce_bucket_size`` elements of the gradient dtype, allocated anew at every
+               block recomputed under checkpointing, the backward's transients: traced by
+               :func:`trace_activations`); the gradients T·w (T·w/K under ZeRO-2) beside them (the
+               probes show that much more than the bare model holds, under ZeRO-0 and ZeRO-1 on 2 ranks:
+               the gradients' storage, or the reduction's copy of them); the model's input (the uint8
+               images normalised: 4 + w bytes a value); DeepSpeed's reduce bucket
+               (``reduce_bucket_size`` elements of the gradient dtype, allocated anew at every
                backward under ZeRO-1/2 with ``contiguous_gradients``; two with ``overlap_comm``), the
                loss's buffers (the contrastive batch's gathered features and their gradients, fp32, and
                one streamed row block) and, with ``train.contrastive_batch=global``, the step's cached
@@ -124,11 +126,11 @@ def estimate(candidate, fp: Footprint) -> dict[str, int]:
     slope, fixed = fp.activations[candidate.grad_checkpointing]
     b, c, d = candidate.micro_batch, candidate.contrastive_batch, fp.embed_dim
     buckets = 2 if fp.overlap_comm else 1
-    # the traced peak holds the activations and the gradients made while they are freed: at a batch too
-    # small for the activations to count, the gradients alone (T·w, partitioned under ZeRO-2)
-    activations, gradients = int(slope * b + fixed), t * w // (k if stage == 2 else 1)
     backward = {
-        "activations_and_gradients": max(activations, gradients),
+        "activations": int(slope * b + fixed),
+        # measured beside the activations (ZeRO-0/1 on 2 ranks): the gradients' storage or the
+        # reduction's copy of it; ZeRO-2 keeps its partition's
+        "gradients": t * w // (k if stage == 2 else 1),
         # uint8 images made the model's input: the float32 normalisation and the copy in w bytes it keeps
         "model_input": b * fp.image_bytes * (4 + w),
         "reduce_bucket": fp.reduce_bucket_size * w * buckets if stage >= 1 and fp.contiguous_gradients else 0,
@@ -160,10 +162,11 @@ def trace_activations(
     cfg: ExperimentConfig, dtype: torch.dtype, largest: int = 256
 ) -> tuple[dict[bool, tuple[float, float]], dict[str, Any]]:
     """The line ``a·b + a0`` through the peak tensor bytes of a forward and backward of the bare model
-    (``dtype``, train mode, the config's patch dropout), without and with gradient checkpointing, at two
-    micro-batch sizes b1 and 2·b1, b1 chosen so that the activations outweigh the gradients twice (2·b1
-    up to ``largest``): at a smaller batch the peak is the gradients', and the line through it would be
-    too flat (its slope is at least the bytes a forward keeps per sample). With checkpointing the peak
+    (``dtype``, train mode, the config's patch dropout), its gradients' storage already there as in
+    training, without and with gradient checkpointing, at two micro-batch sizes b1 and 2·b1, b1 chosen
+    so that the activations outweigh twice the peak at 2 pairs (2·b1 up to ``largest``): at a smaller
+    batch the peak is the backward's transients', and the line through it would be too flat (its slope
+    is at least the bytes a forward keeps per sample). With checkpointing the peak
     includes the block recomputed in the backward, which the activations kept at the forward's end do
     not show.
 
@@ -179,7 +182,15 @@ def trace_activations(
     out: dict[bool, tuple[float, float]] = {}
     facts: dict[str, Any] = {}
     for checkpointing in (False, True):
-        model_cfg = dataclasses.replace(cfg.model, grad_checkpointing=checkpointing)
+        # the weights' values change no shape: the trace never reads the checkpoints
+        model_cfg = dataclasses.replace(
+            cfg.model,
+            grad_checkpointing=checkpointing,
+            pretrained=None,
+            vision_checkpoint=None,
+            text_checkpoint=None,
+            text_checkpoint_skip=[],
+        )
         bundle = create_model(model_cfg, temperature_init=cfg.loss.temperature_init)
         model = bundle.model
         configure_kernels(model, torch.device("cpu"))
@@ -198,9 +209,11 @@ def trace_activations(
         del params
         gc.collect()
         shape, context = bundle.image_shape, _context_length(model)
-        grads = trainable * torch.empty((), dtype=dtype).element_size()
-        saved_per_sample = _measure(model, fake, 2, shape, context, dtype)[0] / 2
-        b1 = min(largest // 2, max(2, math.ceil(2 * grads / max(saved_per_sample, 1.0))))
+        saved, peak = _measure(model, fake, 2, shape, context, dtype)
+        saved_per_sample = saved / 2
+        # where the activations outweigh twice the backward's own transients (a tensor's gradient made
+        # before it is added in): at a smaller batch the peak is the transients', the line too flat
+        b1 = min(largest // 2, max(2, math.ceil(2 * peak / max(saved_per_sample, 1.0))))
         b2 = 2 * b1
         p1 = _measure(model, fake, b1, shape, context, dtype)[1]
         p2 = _measure(model, fake, b2, shape, context, dtype)[1]
@@ -237,8 +250,8 @@ def _measure(model, fake, batch: int, image_shape, context: int, dtype) -> tuple
     """A forward and backward of ``batch`` pairs on fake tensors: the bytes live at the forward's end
     (kept for the backward) and the peak, both above what was there before."""
     with fake:
-        for p in model.parameters():
-            p.grad = None
+        for p in model.parameters():  # there before, as in training after the first step: not counted
+            p.grad = torch.zeros_like(p) if p.requires_grad else None
         images = torch.rand(batch, *image_shape).to(dtype)
         tokens = torch.randint(1, 1000, (batch, context))
         with StorageTracker(keep_peak_tensors=False) as tracker:
