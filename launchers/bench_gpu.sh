@@ -3,7 +3,9 @@
 # OpenCLIP's own step, at a batch a GPU is meant for; then (BENCH_ACCUM=0 skips it) the cost of the contrastive
 # batch: the global batch ACCUM_BATCH in 4 micro-batches, micro and global (cached) accumulation against one
 # micro-batch and OpenCLIP's own --accum-freq 4 step; then (BENCH_DATA=0 skips it) bench-data with --device
-# cuda: both loaders feeding the GPU, and ours with the JPEGs decoded there (data.image_decode=gpu).
+# cuda: both loaders feeding the GPU, and ours with the JPEGs decoded there (data.image_decode=gpu); then
+# (BENCH_TUNE=0 skips it) tune on ViT-B-16: its estimates against torch.cuda.max_memory_allocated, the LAION
+# preset tuned for this GPU on toy shards, 200 steps of the tuned config, and its speed against the preset's layout.
 # Run from the repository root:
 #   bash launchers/bench_gpu.sh                 # MODEL=ViT-B-16 BATCH=128 STEPS=20 by default
 # On a machine without DeepSpeed / open_clip / webdataset but with a .whl/ folder of their wheels (this project's
@@ -39,4 +41,24 @@ if [ "${BENCH_DATA:-1}" = 1 ]; then
   else
     echo "bench_gpu.sh: bench-data skipped: scikit-learn or open_clip_train is not installed"
   fi
+fi
+if [ "${BENCH_TUNE:-1}" = 1 ]; then
+  python3 -m eva_fastclip.bench.tune_estimate --models ViT-B-16 --micro 64 128 --stages 0 \
+    --output "$out/tune_estimate_gpu.json" > "$out/tune_estimate_gpu.log" 2>&1 || { tail -40 "$out/tune_estimate_gpu.log"; exit 1; }
+  echo "== bench.tune_estimate (ViT-B-16)"; grep "^|\|worst" "$out/tune_estimate_gpu.log" | tail -8
+  [ -d data/toy_gpu ] || python3 -m eva_fastclip toy-data --output data/toy_gpu --num-train 8192 > /dev/null
+  laion=(--config configs/laion_vitb16_fastclip_v3.json --set 'data.train_shards=["data/toy_gpu/train"]'
+         --set data.num_samples=null --set data.index_size=null --set train.global_batch=1024
+         --set train.output_dir="$out/tune_train_gpu" --set eval.imagenet_val=null)
+  python3 -m eva_fastclip tune "${laion[@]}" --output "$out/tuned_gpu.json" > "$out/tune_gpu.log" 2>&1 \
+    || { tail -40 "$out/tune_gpu.log"; exit 1; }
+  echo "== tune (LAION ViT-B-16 recipe, global batch 1024, toy shards)"; grep -v " INFO " "$out/tune_gpu.log" | tail -24
+  python3 -m eva_fastclip train --config "$out/tuned_gpu.json" --set train.steps=200 --set train.save_every_steps=0 \
+    > "$out/tuned_train_gpu.log" 2>&1 || { tail -40 "$out/tuned_train_gpu.log"; exit 1; }
+  echo "== 200 steps of the tuned config"; tail -3 "$out/tuned_train_gpu.log"
+  python3 -m eva_fastclip.bench.tune_layouts --layout preset=configs/laion_vitb16_fastclip_v3.json \
+    --layout tuned="$out/tuned_gpu.json" --set 'data.train_shards=["data/toy_gpu/train"]' --set data.num_samples=null \
+    --set data.index_size=null --set train.global_batch=1024 --set eval.imagenet_val=null \
+    --output "$out/tune_layouts_gpu.json" > "$out/tune_layouts_gpu.log" 2>&1 || { tail -40 "$out/tune_layouts_gpu.log"; exit 1; }
+  echo "== bench.tune_layouts (preset against tuned)"; grep "^|" "$out/tune_layouts_gpu.log"
 fi

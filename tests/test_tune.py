@@ -210,23 +210,24 @@ def test_an_out_of_memory_probe_is_agreed_and_the_next_runs_on_every_rank(toy, t
 # ---- the whole search, launched as a user launches it -------------------------------------------------
 
 
-def tune_launch(args: list[str], log: Path) -> dict:
-    deepspeed = str(Path(sys.executable).parent / "deepspeed")
-    cmd = [deepspeed, "--num_gpus", "2", "--master_port", str(free_port()), "--module", "eva_fastclip"]
-    proc = subprocess.run(
-        cmd + args, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=600
-    )
-    log.write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    return proc.stdout + proc.stderr
-
-
 @pytest.mark.launcher
 def test_tune_on_two_ranks_fits_a_limit_between_two_measured_peaks_and_trains(toy, tmp_path):
+    """The issue's command, then again with a limit between the peaks its first run measured for the two
+    largest micro-batches, then 2 training steps of that tuned config: one launch (tests/launched_tune.py)."""
     overrides = toy_overrides(toy, tmp_path / "run", global_batch=128)  # the issue's command
-    common = ["--config", "configs/toy.json", *[a for o in overrides for a in ("--set", o)]]
+    config_args = ["--config", "configs/toy.json", *[a for o in overrides for a in ("--set", o)]]
+    deepspeed = str(Path(sys.executable).parent / "deepspeed")
+    cmd = [deepspeed, "--num_gpus", "2", "--master_port", str(free_port()), "tests/launched_tune.py"]
+    proc = subprocess.run(
+        [*cmd, str(tmp_path), *config_args], cwd=REPO, env=launcher_env(), capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    (tmp_path / "launch.log").write_text(out)
+    assert proc.returncode == 0, out[-6000:]
+    assert [json.loads((tmp_path / f"codes_rank_{r}.json").read_text()) for r in (0, 1)] == [[0, 0, 0]] * 2
+
     first = tmp_path / "first.json"
-    tune_launch(["tune", *common, "--output", str(first)], tmp_path / "first.log")
     rows = json.loads(first.with_name("first.trials.json").read_text())["trials"]
     measured = sorted(
         (
@@ -241,13 +242,9 @@ def test_tune_on_two_ranks_fits_a_limit_between_two_measured_peaks_and_trains(to
     assert largest["peak_gib"] > next_one["peak_gib"]
     assert json.loads(first.read_text())["tuned"]["why"]["data.workers"].startswith("1:")
 
-    limit = (largest["peak_gib"] + next_one["peak_gib"]) / 2
+    limit = float((tmp_path / "limit.txt").read_text())
+    assert next_one["peak_gib"] < limit < largest["peak_gib"]
     second = tmp_path / "second.json"
-    out = tune_launch(
-        ["tune", *common, "--output", str(second), "--memory-limit-gib", str(limit), "--memory-margin", "0",
-         "--no-data"],
-        tmp_path / "second.log",
-    )  # fmt: skip
     payload = json.loads(second.with_name("second.trials.json").read_text())
     chosen = [r for r in payload["trials"] if r["verdict"] == "chosen"]
     assert len(chosen) == 1 and chosen[0]["peak_gib"] is not None and chosen[0]["peak_gib"] <= limit
@@ -262,11 +259,6 @@ def test_tune_on_two_ranks_fits_a_limit_between_two_measured_peaks_and_trains(to
     tuned = load_config(second)
     assert tuned.train.global_batch == 128 and tuned.train.max_micro_batch == chosen[0]["micro_batch"]
     trained = tmp_path / "trained"
-    tune_launch(
-        ["train", "--config", str(second), "--set", "train.steps=2", "--set", f"train.output_dir={trained}",
-         "--set", "eval.zeroshot_dir=null", "--set", "eval.retrieval_shards=null"],
-        tmp_path / "train.log",
-    )  # fmt: skip
     assert (trained / "checkpoints" / "step_00000002").is_dir()
     steps = [json.loads(line) for line in (trained / "train_log.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]
