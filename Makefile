@@ -10,8 +10,8 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 $(VENV)/.installed: setup.cfg pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-compile torch==2.14.1 torchvision==0.29.1
-	$(PY) -m pip install -q --no-compile -e '.[dev]'
+	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
 demo: $(VENV)/.installed
