@@ -329,14 +329,14 @@ def cmd_train(args) -> int:
 
 
 def cmd_tune(args) -> int:
-    from eva_fastclip.config import read_raw_config
+    from eva_fastclip.config import config_from_raw, read_raw_config
     from eva_fastclip.engine.setup import load_deepspeed_config
     from eva_fastclip.engine.watchdog import Watchdog
     from eva_fastclip.tune import TuneOptions, Tuner
     from eva_fastclip.tune.probe import DeviceUnusable
 
     raw = read_raw_config(args.config, args.overrides)
-    cfg = load_config(args.config, args.overrides)
+    cfg = config_from_raw(raw)
     ds = load_deepspeed_config(cfg.train.deepspeed_config)
     opts = TuneOptions(
         output=Path(args.output),

@@ -550,9 +550,12 @@ def load_config(
     path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
 ) -> ExperimentConfig:
     """Read a JSON experiment config (or the defaults), apply ``key.sub=value`` overrides, validate."""
-    raw = read_raw_config(path, overrides)
-    raw.pop(TUNED_SECTION, None)
-    return from_dict(ExperimentConfig, raw, prefix="")
+    return config_from_raw(read_raw_config(path, overrides))
+
+
+def config_from_raw(raw: dict[str, Any]) -> ExperimentConfig:
+    """Validate a raw config (``read_raw_config``'s), leaving its ``tuned`` record aside."""
+    return from_dict(ExperimentConfig, {k: v for k, v in raw.items() if k != TUNED_SECTION}, prefix="")
 
 
 def read_raw_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import ctypes.util
 import os
 import random
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,24 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def on_rank0(fn: Callable[[], Any]) -> Any:
+    """``fn()`` run by rank 0 of the process group (by the only process without one), and its result, or
+    its exception, on every rank: a rank that failed alone would leave the others waiting in the broadcast."""
+    group = dist.is_initialized() and dist.get_world_size() > 1
+    box: list[Any] = [None]
+    if not group or dist.get_rank() == 0:
+        try:
+            box = [(True, fn())]
+        except Exception as err:  # every rank must hear of it, or they wait forever
+            box = [(False, err)]
+    if group:
+        dist.broadcast_object_list(box, src=0)
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
 
 
 def init_process_group() -> tuple[int, int, torch.device]:

@@ -53,6 +53,7 @@ from eva_fastclip.engine.preemption import PREEMPTED_EXIT_CODE, Preempted, Preem
 from eva_fastclip.engine.process import (
     init_process_group,
     memory_in_use_gib,
+    on_rank0,
     rng_state,
     seed_everything,
     set_rng_state,
@@ -135,7 +136,7 @@ class Trainer:
                 log.warning(warning)
         # the shards' records are read once, by rank 0 (minutes for LAION-400M without data.index_size),
         # and every rank's loader is handed the sizes, each shard's count included
-        sizes = None if loader is not None else self._on_rank0(lambda: preflight.data_sizes(cfg))
+        sizes = None if loader is not None else on_rank0(lambda: preflight.data_sizes(cfg))
         self.loader = loader or TrainLoader(
             cfg.data.train_shards,
             preprocess=bundle.preprocess_train,
@@ -581,7 +582,7 @@ class Trainer:
             checkpoint.recover(root)
             return checkpoint.resolve_resume(resume, root)
 
-        folder = self._on_rank0(choose)
+        folder = on_rank0(choose)
         if folder is None:
             if self.is_main:
                 log.info("no complete checkpoint under %s yet: starting from scratch", root)
@@ -591,7 +592,7 @@ class Trainer:
             self._keep_global_batch(folder, marker)
         if not checkpoint.needs_conversion(folder, self.world_size):
             return folder, None
-        return folder, self._on_rank0(lambda: checkpoint.convert_to_universal(folder))
+        return folder, on_rank0(lambda: checkpoint.convert_to_universal(folder))
 
     def _keep_global_batch(self, folder: Path, marker: dict[str, Any]) -> None:
         """On another number of ranks, keep the checkpoint's global batch: with train.global_batch the
@@ -626,21 +627,6 @@ class Trainer:
                 layout.grad_accum_steps,
                 before,
             )
-
-    def _on_rank0(self, fn):
-        """``fn()`` run by rank 0, and its result (or its exception) on every rank."""
-        box: list[Any] = [None]
-        if self.is_main:
-            try:
-                box = [(True, fn())]
-            except Exception as err:  # every rank must hear of it, or they wait forever
-                box = [(False, err)]
-        if self.world_size > 1:
-            dist.broadcast_object_list(box, src=0)
-        ok, value = box[0]
-        if not ok:
-            raise value
-        return value
 
     def _restore(
         self, state: dict[str, Any], folder: Path, universal: Path | None, built: list[dict[str, Any]]

@@ -17,7 +17,6 @@ import dataclasses
 from collections.abc import Iterable
 
 ZERO_STAGES = (0, 1, 2)
-VERDICTS = ("chosen", "fits", "slower", "over_limit", "oom")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +82,6 @@ class Trial:
     estimate: dict[str, int]
     peak: int | None = None
     samples_per_s: float | None = None
-    step_s: float | None = None
     data_wait: float | None = None
     oom: bool = False
     verdict: str = ""

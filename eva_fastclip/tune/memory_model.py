@@ -173,7 +173,7 @@ def trace_activations(
     The model runs on fake tensors (``FakeTensorMode``: every op's output shape and dtype, no memory and
     no arithmetic), with CPU kernels, under the exact storage count of ``tensor_memory.StorageTracker``:
     seconds for any model on any machine, the same bytes as the real run on a CPU. Also returns the
-    model's facts (parameters, trainable, largest tensor, embed_dim, image shape)."""
+    model's facts (parameters, trainable, largest tensor, embed_dim, image shape, context length)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from eva_fastclip.models import create_model
@@ -203,12 +203,13 @@ def trace_activations(
             "largest_tensor": max((p.numel() for p in params if p.requires_grad), default=0),
             "embed_dim": bundle.embed_dim,
             "image_shape": bundle.image_shape,
+            "context_length": _context_length(model),
         }
         fake = FakeTensorMode()
         _to_fake(model, fake)
         del params
         gc.collect()
-        shape, context = bundle.image_shape, _context_length(model)
+        shape, context = bundle.image_shape, facts["context_length"]
         saved, peak = _measure(model, fake, 2, shape, context, dtype)
         saved_per_sample = saved / 2
         # where the activations outweigh twice the backward's own transients (a tensor's gradient made

@@ -6,7 +6,7 @@ allocator's fragmentation), and records the rank's peak tensor memory from the s
 construction (``torch.cuda.max_memory_allocated`` on a GPU; on a CPU the exact count of
 ``tensor_memory.StorageTracker``) and the optimizer step's time. Model speed is probed on synthetic
 batches (:class:`SyntheticBatches`: the loader's uint8 images, so a cached step holds what it would);
-the data rate on the real loader (:func:`data_wait_probe`).
+the data rate on the real loader (:func:`data_probe`).
 
 Out of memory is agreed: a rank that runs out marks the probe failed, every rank learns it through one
 all-reduce after the probe (Composer's all-reduced flag), and each frees what the probe held (the engine's

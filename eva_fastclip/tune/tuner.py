@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from eva_fastclip.config import ConfigError, ExperimentConfig, batch_layout
+from eva_fastclip.engine.process import on_rank0
 from eva_fastclip.tune import report
 from eva_fastclip.tune.layouts import (
     ZERO_STAGES,
@@ -134,14 +134,6 @@ def cap_reduce_bucket(ds: dict[str, Any], trainable: int) -> tuple[dict[str, Any
 _TRACES: dict[str, dict[str, Any]] = {}
 
 
-def _broadcast(value: Any) -> Any:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        holder = [value]
-        dist.broadcast_object_list(holder, src=0)
-        return holder[0]
-    return value
-
-
 def _fingerprint(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -219,14 +211,15 @@ class Tuner:
         if dtype == torch.float16:
             dtype = torch.bfloat16  # the same bytes; the trace runs CPU kernels, not all of them fp16
         key = json.dumps([dataclasses.asdict(self.cfg.model), str(dtype)], sort_keys=True)
-        traced = None
-        if self.rank == 0:
-            traced = _TRACES.get(key)
-            if traced is None:
+
+        def trace() -> dict[str, Any]:
+            if key not in _TRACES:
                 with quiet_set_up():
                     activations, facts = trace_activations(self.cfg, dtype)
-                traced = _TRACES[key] = {"activations": activations, **facts}
-        return _broadcast(traced)
+                _TRACES[key] = {"activations": activations, **facts}
+            return _TRACES[key]
+
+        return on_rank0(trace)
 
     def _table_rows(self) -> int:
         from eva_fastclip.engine import preflight
@@ -235,13 +228,11 @@ class Tuner:
             return 0
         if self.cfg.data.index_size is not None:
             return self.cfg.data.index_size
-        rows = None
-        if self.rank == 0:
-            try:
-                rows = preflight.data_sizes(self.cfg).index_size
-            except ValueError as err:
-                raise ConfigError(f"the per-sample table's size: {err}") from None
-        return _broadcast(rows) or 0
+        try:
+            rows = on_rank0(lambda: preflight.data_sizes(self.cfg).index_size)
+        except ValueError as err:
+            raise ConfigError(f"the per-sample table's size: {err}") from None
+        return rows or 0
 
     # ---- the search -----------------------------------------------------------------------------------
 
@@ -259,7 +250,7 @@ class Tuner:
         """Trace the model, build the footprint and estimate every layout (``self.trials``); returns the
         traced facts."""
         traced = self._trace()
-        trainable = traced["trainable"]
+        trainable, self.context_length = traced["trainable"], traced["context_length"]
         self.ds, bucket_note = cap_reduce_bucket(self.ds_input, trainable)
         if bucket_note and self.world_size > 1:
             self.notes.append(bucket_note)
@@ -283,7 +274,7 @@ class Tuner:
         for candidate in candidates(self.global_batch, self.world_size, stages):
             breakdown = estimate(candidate, self.footprint)
             self.trials.append(Trial(candidate, breakdown["peak"], breakdown))
-        self._previous = _broadcast(self._read_previous() if self.rank == 0 else None)  # rank 0 writes it
+        self._previous = on_rank0(self._read_previous)  # rank 0 writes the file: its reading counts
         return traced
 
     def _search(self) -> None:
@@ -358,8 +349,6 @@ class Tuner:
         if previous is not None:  # measured by an earlier run of this search, or the probe it died in
             trial.peak, trial.oom = previous["peak"], previous["oom"]
             trial.samples_per_s, trial.why = previous["samples_per_s"], previous["why"]
-            if trial.samples_per_s:
-                trial.step_s = self.global_batch / trial.samples_per_s
             return
         if self.rank == 0:
             log.info("probe %s (estimate %.2f GiB)", name, trial.est_peak / GIB)
@@ -373,7 +362,7 @@ class Tuner:
                 trial.candidate,
                 table_rows=self.footprint.table_rows,
                 image_shape=self.footprint.image_shape,
-                context_length=self._context_length(),
+                context_length=self.context_length,
                 output_dir=str(self.scratch),
                 limit=self.limit if self.device.type == "cpu" and self.opts.memory_limit_gib else None,
                 watchdog=self.watchdog,
@@ -384,7 +373,6 @@ class Tuner:
             raise
         trial.oom, trial.peak = result.oom, result.peak
         if result.step_s:
-            trial.step_s = result.step_s
             trial.samples_per_s = self.global_batch / result.step_s
         if result.oom:
             trial.why = "out of memory" + (f": {result.detail}" if result.detail else "")
@@ -393,12 +381,6 @@ class Tuner:
             speed = f", {trial.samples_per_s:.1f} samples/s" if trial.samples_per_s else ""
             log.info("  %s%s", peak, speed)
         self._save_progress()
-
-    def _context_length(self) -> int:
-        import open_clip
-
-        text = open_clip.get_model_config(self.cfg.model.name).get("text_cfg", {})
-        return int(text.get("context_length", 77))
 
     # ---- data -----------------------------------------------------------------------------------------
 
