@@ -107,7 +107,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="datacomp: DataComp's 38 tasks (FastCLIP's benchmark), those whose clip_benchmark folders exist "
         "under --datasets-root (default: the eval.* sets of the config)",
     )
-    p.add_argument("--datasets-root", default=None, help="folder of clip_benchmark wds_* folders (--suite)")
+    p.add_argument(
+        "--datasets-root",
+        default=None,
+        help="with --suite: the folder DataComp's download_evalsets.py fills (wds_* folders, hf_cache)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=["fp32", "datacomp"],
+        default="fp32",
+        help="with --suite: fp32 throughout, or datacomp: fp16 autocast where DataComp uses it on a GPU "
+        "(classifier prompts, retrieval, WinoGAViL), which reproduces its published numbers (default fp32)",
+    )
     p.add_argument(
         "--output",
         default=None,
@@ -374,6 +385,8 @@ def cmd_eval(args) -> int:
         raise ValueError(
             f"--suite {args.suite} needs --datasets-root DIR (a folder of clip_benchmark wds_* folders)"
         )
+    if args.precision != "fp32" and not args.suite:
+        raise ValueError("--precision applies to --suite; the eval.* sets run in fp32")
     cfg = load_config(args.config, args.overrides)
     bundle = create_model(cfg.model)
     path = Path(args.checkpoint)
@@ -399,6 +412,7 @@ def cmd_eval(args) -> int:
             datasets_root=args.datasets_root,
             batch_size=cfg.eval.batch_size,
             device=device,
+            precision=args.precision,
             workers=cfg.eval.workers,
             collectives=collectives,
             progress=is_main,

@@ -169,8 +169,52 @@ def test_every_found_task_scores_its_main_metric_as_datacomp_defines_it(root):
     assert "misc/winogavil" in results["missing"]
 
 
-def test_eval_suite_from_the_command_line(root, tmp_path, capsys):
-    root, _ = root
+@pytest.fixture(scope="module")
+def full_root(tmp_path_factory):
+    """All 38 tasks as DataComp's download leaves them: a wds_*_test folder for each of the 37 webdataset
+    tasks (WILDS and fairness with their metadata, Flickr and MSCOCO as clip_benchmark's retrieval
+    folders) and WinoGAViL in hf_cache."""
+    from hf_cache_sets import write_winogavil_cache
+    from test_winogavil import make_instances
+
+    rng = np.random.default_rng(1)
+    root = tmp_path_factory.mktemp("datacomp_root")
+    CAPTIONS.clear()
+    for task in TASKS:
+        if task.folders is None:
+            write_winogavil_cache(root / "hf_cache", make_instances(2))
+        elif task.main_metric == "mean_recall@1":
+            images = np.clip(np.round(rng.normal(size=(5, DIM)) * 20) / 20, -3, 3)
+            captions = [[f"{task.name} {i} {j}" for j in range(1 + i % 2)] for i in range(5)]
+            for i, lines in enumerate(captions):
+                for caption in lines:
+                    CAPTIONS[caption] = (images[i] + rng.normal(size=DIM)).tolist()
+            write_retrieval_folder(root / task.folders[0], images, captions, per_shard=2)
+        else:
+            vectors, labels = classification_task(rng, 8)
+            metadata = np.stack([rng.integers(0, 3, 8), rng.integers(0, 9, 8)], axis=1)
+            write_classification_folder(
+                root / task.folder_names()[0], vectors, labels, CLASSNAMES, per_shard=3, metadata=metadata
+            )
+    return root
+
+
+def datacomp_aggregate(tasks: list[dict]) -> dict[str, float]:
+    """DataComp's ``aggregate_scores.py`` (mlfoundations/datacomp at 4a8df19) on per-task results, written
+    out: the rows without a main metric dropped, exactly 38 left, each group the mean of its members, the
+    average the mean of all in the results' order. Plus FastCLIP's ImageNet-and-variants mean."""
+    results = {row["name"]: row["main_metric"] for row in tasks if row["main_metric"] is not None}
+    assert len(results) == 38, f"Results file has unexpected size, {len(results)}"
+    shifts = ["ImageNet Sketch", "ImageNet v2", "ImageNet-A", "ImageNet-O", "ImageNet-R", "ObjectNet"]
+    return {
+        "Average": np.mean(list(results.values())),
+        "Retrieval": np.mean([results[name] for name in ("Flickr", "MSCOCO", "WinoGAViL")]),
+        "ImageNet and variants": np.mean([results["ImageNet 1k"]] + [results[name] for name in shifts]),
+    }
+
+
+def test_eval_suite_from_the_command_line_on_all_38_tasks(full_root, tmp_path, capsys):
+    """Every average has a value, equal to DataComp's aggregate of the same per-task results."""
     cfg = load_config("configs/toy.json", ["model.name=test-vit-xs"])
     torch.manual_seed(0)
     checkpoint = tmp_path / "model.pt"
@@ -179,13 +223,24 @@ def test_eval_suite_from_the_command_line(root, tmp_path, capsys):
     common += ["--set", "eval.workers=0", "--checkpoint", str(checkpoint)]
     assert main([*common, "--suite", "datacomp"]) == 2
     assert "--datasets-root" in capsys.readouterr().err
-    assert main([*common, "--suite", "datacomp", "--datasets-root", str(root)]) == 0
+    assert main([*common, "--precision", "datacomp"]) == 2
+    assert "--precision applies to --suite" in capsys.readouterr().err
+    assert main([*common, "--suite", "datacomp", "--datasets-root", str(full_root)]) == 0
     printed = capsys.readouterr().out
     written = json.loads((tmp_path / "model.pt.datacomp.json").read_text())
-    assert written["checkpoint"] == str(checkpoint) and len(written["tasks"]) == 6
-    for name, average in written["averages"].items():
-        assert name in printed and f"{average['mean_of_evaluated']:.4f}" in printed
-    assert "partial: the mean of the tasks evaluated" in printed and "missing (32)" in printed
+    assert written["checkpoint"] == str(checkpoint) and written["missing"] == []
+    assert [row["name"] for row in written["tasks"]] == [task.name for task in TASKS]
+    wino = written["tasks"][[task.key for task in TASKS].index("misc/winogavil")]
+    assert wino["main_metric_name"] == "jaccard_score_10-12" and wino["metrics"]["num_samples"] == 12
+    theirs = datacomp_aggregate(written["tasks"])
+    averages = written["averages"]
+    assert averages["datacomp_average"]["value"] == theirs["Average"]
+    assert averages["retrieval_average"]["value"] == pytest.approx(theirs["Retrieval"], rel=1e-15)
+    imagenet = averages["imagenet_and_variants_average"]["value"]
+    assert imagenet == pytest.approx(theirs["ImageNet and variants"], rel=1e-15)
+    for average in averages.values():
+        assert average["tasks"] == average["of"] and f"{average['value']:.4f}" in printed
+    assert "partial" not in printed and "missing" not in printed
 
 
 def test_ranks_that_see_different_task_folders_all_stop(root, tmp_path):
@@ -234,3 +289,19 @@ def test_an_average_has_a_value_only_with_all_its_tasks():
     partial = averages(rows[:2])["retrieval_average"]
     assert partial == {"value": None, "mean_of_evaluated": 0.375, "tasks": 2, "of": 3}
     assert averages([])["retrieval_average"]["mean_of_evaluated"] is None
+
+
+def test_a_folder_without_nshards_is_refused_before_any_task_runs(tmp_path):
+    """clip_benchmark (so DataComp) reads a folder's shards from test/nshards.txt: without it the suite
+    stops at once, naming the file, rather than after the tasks before it."""
+    rng = np.random.default_rng(0)
+    for folder in ("wds_cifar10_test", "wds_imagenet1k_test"):
+        write_classification_folder(tmp_path / folder, *classification_task(rng, 4), CLASSNAMES)
+    (tmp_path / "wds_imagenet1k_test" / "test" / "nshards.txt").unlink()
+    model = FakeModel()
+    with pytest.raises(FileNotFoundError, match=r"wds_imagenet1k_test/test/nshards.txt: missing"):
+        evaluate_datacomp(
+            model, tokenize=fake_tokenize, preprocess=vector_preprocess, datasets_root=tmp_path,
+            batch_size=4, device="cpu",
+        )  # fmt: skip
+    assert model.seen_training == []  # nothing was encoded

@@ -127,7 +127,7 @@ def test_zero_shot_equals_clip_benchmarks_evaluator_on_the_exported_model(launch
     )
     predictions = classify(model, classifier, evalset, preprocess=preprocess, batch_size=4, device="cpu")
     ours = classification_metrics(
-        predictions.labels, predictions.label_ranks, predictions.predicted, predictions.num_classes
+        predictions.labels, predictions.top_classes, predictions.predicted, predictions.num_classes
     )
     assert (ours["top1"], ours["top5"], ours["mean_per_class_recall"]) == (
         theirs["acc1"],

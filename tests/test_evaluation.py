@@ -3,8 +3,10 @@ validation folder), and the sharing between ranks: K ranks (threads with a fake 
 launch in test_eval_launch.py) give exactly one rank's result, an empty share takes part, and an error on
 one rank stops every rank instead of leaving the others waiting."""
 
+import io
 import threading
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,6 +22,7 @@ from eval_sets import (
 from PIL import Image
 
 from eva_fastclip.data import write_toy_dataset
+from eva_fastclip.data.workers import start_worker_server
 from eva_fastclip.evaluation import (
     EvaluationFailed,
     build_zeroshot_classifier,
@@ -31,7 +34,6 @@ from eva_fastclip.evaluation import (
     retrieve,
     topk_accuracy,
 )
-from eva_fastclip.evaluation import metrics as metrics_module
 from eva_fastclip.evaluation.metrics import classification_metrics, macro_f1, worst_group
 from eva_fastclip.evaluation.samples import own_batches
 from eva_fastclip.evaluation.sets import RetrievalSet, read_pair_shards
@@ -45,7 +47,7 @@ def test_topk_accuracy_hand_computed():
             [5.0, 1.0, 0.0, 0.0, 0.0, 0.0],  # label 0 is the max: top1 hit
             [1.0, 4.0, 3.0, 2.0, 0.0, -1.0],  # label 2 is second: top1 miss, top2/top5 hit
             [0.0, 1.0, 2.0, 3.0, 4.0, 5.0],  # label 0 is last of 6: top5 miss
-            [2.0, 2.0, 0.0, 0.0, 0.0, 0.0],  # label 1 ties class 0: a tie is not a top1 hit
+            [3.0, 2.0, 0.0, 0.5, 0.25, 0.1],  # label 1 is second
         ]
     )
     labels = torch.tensor([0, 2, 0, 1])
@@ -65,7 +67,7 @@ SIMILARITY = torch.tensor(
     [
         # t0   t1   t2   t3   t4
         [0.9, 0.2, 0.8, 0.1, 0.3],  # img0, captions t0, t1
-        [0.5, 0.1, 0.7, 0.3, 0.7],  # img1, caption t2
+        [0.5, 0.1, 0.7, 0.3, 0.75],  # img1, caption t2
         [0.1, 0.6, 0.3, 0.4, 0.2],  # img2, captions t3, t4
     ]
 )
@@ -74,19 +76,19 @@ TEXT_TO_IMAGE = torch.tensor([0, 0, 1, 2, 2])
 
 def test_retrieval_recall_hand_computed():
     metrics = retrieval_recall(torch.eye(3), SIMILARITY.T, TEXT_TO_IMAGE, ks=(1, 2, 3))
-    # Image->text rank = number of wrong captions scoring >= the best right caption:
-    #   img0: best right t0=0.9, wrong {t2 .8, t3 .1, t4 .3} -> rank 0
-    #   img1: right t2=0.7, wrong t4=0.7 ties it           -> rank 1 (a tie is not a hit)
-    #   img2: best right t3=0.4, wrong t1=0.6 beats it      -> rank 1
+    # Image->text: the position of the best right caption in the row, best first:
+    #   img0: best right t0=0.9, first                  -> hit at 1
+    #   img1: right t2=0.7, wrong t4=0.75 before it     -> hit at 2
+    #   img2: best right t3=0.4, wrong t1=0.6 before it -> hit at 2
     assert metrics["image_to_text_R@1"] == pytest.approx(1 / 3)
     assert metrics["image_to_text_R@2"] == 1.0
     assert metrics["image_to_text_R@3"] == 1.0
     # Text->image, per column:
-    #   t0 -> img0 .9, others {.5, .1}  -> rank 0
-    #   t1 -> img0 .2, img2 .6 beats it -> rank 1
-    #   t2 -> img1 .7, img0 .8 beats it -> rank 1
-    #   t3 -> img2 .4, others {.1, .3}  -> rank 0
-    #   t4 -> img2 .2, img0 .3, img1 .7 -> rank 2
+    #   t0 -> img0 .9, others {.5, .1}   -> 1st
+    #   t1 -> img0 .2, img2 .6 before it -> 2nd
+    #   t2 -> img1 .7, img0 .8 before it -> 2nd
+    #   t3 -> img2 .4, others {.1, .3}   -> 1st
+    #   t4 -> img2 .2, img0 .3, img1 .75 -> 3rd
     assert metrics["text_to_image_R@1"] == pytest.approx(2 / 5)
     assert metrics["text_to_image_R@2"] == pytest.approx(4 / 5)
     assert metrics["text_to_image_R@3"] == 1.0
@@ -101,41 +103,38 @@ def test_retrieval_recall_default_keys():
     assert all(metrics[f"{d}_R@{k}"] == 1.0 for d in ("image_to_text", "text_to_image") for k in (5, 10))
 
 
-def test_retrieval_recall_constant_scores_get_no_free_hits():
-    # All similarities equal: every wrong item ties the right one, so nothing is a hit before k = #wrong + 1.
-    images = F.normalize(torch.ones(3, 4), dim=-1)
-    texts = F.normalize(torch.ones(5, 4), dim=-1)
-    metrics = retrieval_recall(images, texts, TEXT_TO_IMAGE, ks=(1, 2, 3, 4))
-    # img0/img2 have 3 wrong captions, img1 has 4.
-    assert [metrics[f"image_to_text_R@{k}"] for k in (1, 2, 3, 4)] == pytest.approx([0, 0, 0, 2 / 3])
-    # Every caption has 2 wrong images.
-    assert [metrics[f"text_to_image_R@{k}"] for k in (1, 2, 3)] == [0.0, 0.0, 1.0]
-
-
 def test_retrieval_recall_rejects_image_without_caption():
     with pytest.raises(ValueError):
         retrieval_recall(torch.eye(3), torch.eye(3)[:2], torch.tensor([0, 1]))
 
 
-def test_retrieval_recall_in_chunks_equals_whole(monkeypatch):
+def test_retrieval_recall_in_batches_equals_whole():
     torch.manual_seed(0)
     images, texts = F.normalize(torch.randn(7, 5), dim=-1), F.normalize(torch.randn(12, 5), dim=-1)
     owners = torch.tensor([0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 2, 6])
     whole = retrieval_recall(images, texts, owners, ks=(1, 2, 3))
-    monkeypatch.setattr(metrics_module, "_ROWS_PER_CHUNK", 2)
-    assert retrieval_recall(images, texts, owners, ks=(1, 2, 3)) == whole
+    assert retrieval_recall(images, texts, owners, ks=(1, 2, 3), batch_size=2) == whole
 
 
 def test_classification_metrics_hand_computed():
     labels = torch.tensor([0, 0, 0, 1, 2, 2])
-    ranks = torch.tensor([0, 1, 6, 0, 0, 4])  # top-1 hits: samples 0, 3, 4; top-5 misses: sample 2
+    top = torch.tensor(
+        [
+            [0, 1, 2, 3, 4],  # top-1 hit
+            [1, 0, 2, 3, 4],  # top-5 hit
+            [1, 2, 3, 4, 5],  # top-5 miss
+            [1, 0, 2, 3, 4],  # top-1 hit
+            [2, 0, 1, 3, 4],  # top-1 hit
+            [0, 1, 3, 4, 2],  # top-5 hit
+        ]
+    )
     predicted = torch.tensor([0, 1, 2, 1, 2, 0])
-    # per-class recall of the top class: class 0 1/3, class 1 1/1, class 2 1/2 -> mean 11/18
-    assert classification_metrics(labels, ranks, predicted, num_classes=7) == pytest.approx(
+    # per-class recall of the arg-max class: class 0 1/3, class 1 1/1, class 2 1/2 -> mean 11/18
+    assert classification_metrics(labels, top, predicted, num_classes=7) == pytest.approx(
         {"top1": 3 / 6, "top5": 5 / 6, "mean_per_class_recall": 11 / 18, "num_samples": 6}
     )
-    # clip_benchmark reports no top-5 under 5 classes
-    assert "top5" not in classification_metrics(labels, ranks, predicted, num_classes=3)
+    # clip_benchmark reports no top-5 under 5 classes (and takes topk(1))
+    assert "top5" not in classification_metrics(labels, top[:, :1], predicted, num_classes=3)
 
 
 def test_macro_f1_and_worst_group_hand_computed():
@@ -242,7 +241,7 @@ def test_classify_known_set(tmp_path, initially_training):
         model, classifier, evalset, preprocess=vector_preprocess, batch_size=3, device="cpu"
     )
     metrics = classification_metrics(
-        predictions.labels, predictions.label_ranks, predictions.predicted, predictions.num_classes
+        predictions.labels, predictions.top_classes, predictions.predicted, predictions.num_classes
     )
     assert metrics["top1"] == 6 / 8 and metrics["top5"] == 7 / 8 and metrics["num_samples"] == 8
     assert predictions.ordinals.tolist() == list(range(8)) and predictions.num_skipped == 0
@@ -305,6 +304,85 @@ def test_pair_shards_take_the_first_caption_line(tmp_path):
     assert evalset.target(evalset.samples[0].read(), evalset.samples[0]) == ["one"]
 
 
+# ---------------------------------------------------------------- ties, as clip_benchmark breaks them
+
+
+def _clip_benchmark_accuracy(output, target, topk=(1,)):
+    """clip_benchmark's top-k accuracy with its float() of a 1-element array (an error under numpy 2)
+    taken on the sum itself: patched in at call time."""
+    pred = output.topk(max(topk), 1, True, True)[1].t()
+    correct = pred.eq(target.view(1, -1).expand_as(pred))
+    return [float(correct[:k].reshape(-1).float().sum()) / len(target) for k in topk]
+
+
+def test_zero_shot_ties_are_broken_as_clip_benchmarks_evaluator_breaks_them(tmp_path, monkeypatch):
+    """Duplicated images whose classes tie exactly (two, three or all six classes level): top-1, top-5
+    and mean per-class recall equal clip_benchmark's own evaluator's, run on the same folder."""
+    from clip_benchmark.datasets.builder import build_dataset
+    from clip_benchmark.metrics import zeroshot_classification as zsc
+
+    level = [[1, 1, 0, 0, 0, 0, 0], [0, 0, 1, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0, 1], [1, 1, 1, 1, 1, 1, 0]]
+    vectors = [level[i % 4] for i in range(24)]  # every vector six times
+    labels = [i % NUM_CLASSES for i in range(24)]
+    folder = write_classification_folder(tmp_path / "ties", vectors, labels, CLASSNAMES, per_shard=7)
+
+    dataset = build_dataset("wds/ties", root=str(folder), transform=vector_preprocess, download=False)
+    loader = torch.utils.data.DataLoader(dataset.batched(5), batch_size=None)
+    monkeypatch.setattr(zsc, "accuracy", _clip_benchmark_accuracy)
+    theirs = zsc.evaluate(
+        FakeModel(), loader, fake_tokenize, dataset.classes, dataset.templates, "cpu", amp=False
+    )
+
+    evalset = read_wds_folder(folder)
+    classifier = build_zeroshot_classifier(FakeModel(), fake_tokenize, CLASSNAMES, TEMPLATES, device="cpu")
+    predictions = classify(
+        FakeModel(), classifier, evalset, preprocess=vector_preprocess, batch_size=3, device="cpu"
+    )
+    ours = classification_metrics(
+        predictions.labels, predictions.top_classes, predictions.predicted, predictions.num_classes
+    )
+    assert (ours["top1"], ours["top5"], ours["mean_per_class_recall"]) == (
+        theirs["acc1"], theirs["acc5"], theirs["mean_per_class_recall"],
+    )  # fmt: skip
+    # the ties decide: no label scores above every other class (counting ties ahead: 0), yet topk hits some
+    assert theirs["acc1"] > 0
+
+
+def test_retrieval_ties_are_broken_as_clip_benchmarks_evaluator_breaks_them(tmp_path):
+    """Duplicated images and captions shared between images: every recall equals clip_benchmark's own
+    retrieval evaluator's, run on the same images and captions in the same batches."""
+    from clip_benchmark.datasets.builder import image_captions_collate_fn
+    from clip_benchmark.metrics import zeroshot_retrieval as zsr
+    from eval_sets import CAPTIONS, write_retrieval_folder
+
+    CAPTIONS.clear()
+    CAPTIONS.update({"red": [1, 0, 0], "green": [0, 1, 0], "blue": [0, 0, 1], "grey": [1, 1, 1]})
+    vectors = [[1, 0, 0], [1, 0, 0], [0, 1, 0], [0, 1, 0], [0, 0, 1], [1, 1, 1], [1, 1, 1], [1, 0, 0]]
+    captions = [["red"], ["red", "grey"], ["green"], ["green"], ["blue", "blue"], ["grey"], ["grey"], ["red"]]
+    vectors = [v + [0] * (DIM - 3) for v in vectors]
+    folder = write_retrieval_folder(tmp_path / "ret", vectors, captions, per_shard=3)
+
+    pairs = [(vector_preprocess(_decoded(vector)), lines) for vector, lines in zip(vectors, captions)]
+    loader = torch.utils.data.DataLoader(pairs, batch_size=4, collate_fn=image_captions_collate_fn)
+    theirs = zsr.evaluate(FakeModel(), loader, fake_tokenize, "cpu", amp=False, recall_k_list=[1, 2, 5])
+
+    ours = retrieve(
+        FakeModel(), fake_tokenize, read_wds_folder(folder), preprocess=vector_preprocess, batch_size=4,
+        device="cpu", ks=(1, 2, 5),
+    )  # fmt: skip
+    for k in (1, 2, 5):  # clip_benchmark averages the hits in float32, we count them exactly
+        assert np.float32(ours[f"text_to_image_R@{k}"]) == theirs[f"image_retrieval_recall@{k}"], k
+        assert np.float32(ours[f"image_to_text_R@{k}"]) == theirs[f"text_retrieval_recall@{k}"], k
+    # the ties decide: no image's own caption scores strictly above every other, yet topk counts hits
+    # the ties decide: counting every tied item ahead, only image 4 (blue) and its two captions would hit
+    assert theirs["text_retrieval_recall@1"] > 1 / 8 and theirs["image_retrieval_recall@1"] > 2 / 10
+
+
+def _decoded(vector) -> Image.Image:
+    """The image of ``vector`` as clip_benchmark's loaders decode it (RGB)."""
+    return Image.open(io.BytesIO(vector_png(vector))).convert("RGB")
+
+
 # ---------------------------------------------------------------- ranks sharing the work
 
 
@@ -333,6 +411,9 @@ def on_ranks(world: int, work):
     """``work(collectives)`` on ``world`` threads; returns each rank's result or exception."""
     group = {"world": world, "slots": [None] * world, "barrier": threading.Barrier(world, timeout=30)}
     results = [None] * world
+    # the loaders' fork server dies with the thread that starts it (PR_SET_PDEATHSIG follows the thread):
+    # started here, from the main thread, it outlives the rank threads, as it outlives nothing in a rank
+    start_worker_server()
 
     def run(rank):
         try:
@@ -369,7 +450,7 @@ def test_k_ranks_give_one_ranks_predictions_exactly(tmp_path):
     for world in (2, 3, 7):  # 6 batches: with 7 ranks one rank has no share
         for classifier, predictions in on_ranks(world, work):
             assert torch.equal(classifier, reference[0])
-            for field in ("ordinals", "labels", "label_ranks", "predicted"):
+            for field in ("ordinals", "labels", "top_classes", "predicted"):
                 assert torch.equal(getattr(predictions, field), getattr(reference[1], field)), field
 
 

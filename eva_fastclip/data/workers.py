@@ -66,7 +66,8 @@ def worker_context() -> multiprocessing.context.BaseContext:
 
 def start_worker_server() -> None:
     """Start the fork server now: its imports (seconds) then overlap the rank's own start-up (model,
-    engine) instead of delaying the first batch."""
+    engine) instead of delaying the first batch. Call it from the rank's main thread: the server dies
+    when the thread that started it ends (PR_SET_PDEATHSIG follows the thread, not the process)."""
     from multiprocessing import forkserver
 
     worker_context()

@@ -64,7 +64,7 @@ def evaluate_model(
         evalset = run_everywhere(collectives, device, functools.partial(_classification_set, read, folder))
         predictions = zeroshot_classify(model, bundle.tokenizer, evalset, **common)
         scores = classification_metrics(
-            predictions.labels, predictions.label_ranks, predictions.predicted, predictions.num_classes
+            predictions.labels, predictions.top_classes, predictions.predicted, predictions.num_classes
         )
         num_classes = predictions.num_classes
         results[f"{prefix}_top1"] = scores["top1"]

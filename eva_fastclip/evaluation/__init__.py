@@ -3,7 +3,7 @@ share (an unwrapped model; the ranks meet only through a ``Collectives`` object:
 
 from .collectives import Collectives, EvaluationFailed, SingleRank, run_everywhere
 from .datacomp import TASKS, evaluate_datacomp, format_datacomp
-from .metrics import classification_metrics, label_ranks, retrieval_recall, topk_accuracy
+from .metrics import classification_metrics, retrieval_recall, top_classes, topk_accuracy
 from .sets import ClassificationSet, RetrievalSet, read_imagenet_folder, read_pair_shards, read_wds_folder
 from .zeroshot import (
     Predictions,
@@ -29,12 +29,12 @@ __all__ = [
     "evaluate_datacomp",
     "fill_template",
     "format_datacomp",
-    "label_ranks",
     "read_imagenet_folder",
     "read_pair_shards",
     "read_wds_folder",
     "retrieval_recall",
     "retrieve",
     "run_everywhere",
+    "top_classes",
     "topk_accuracy",
 ]

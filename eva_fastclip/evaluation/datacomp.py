@@ -1,5 +1,5 @@
-"""DataComp's 38 zero-shot tasks, the benchmark the FastCLIP paper reports, on the clip_benchmark webdataset
-folders found under a local datasets root (nothing is downloaded).
+"""DataComp's 38 zero-shot tasks, the benchmark the FastCLIP paper reports, on what DataComp's
+``download_evalsets.py`` leaves under a local datasets root (nothing is downloaded).
 
 The task table is DataComp's ``tasklist.yml`` (github.com/mlfoundations/datacomp at commit
 4a8df1992566ef8334773f7152e1855b1f716162): key, name and main metric of each task, written out here once
@@ -8,40 +8,49 @@ results (its aggregate drops them), which leaves the 38 tasks below.
 
 Folders: DataComp's ``download_evalsets.py`` names a task's folder ``wds_<key, "/" as "-">_test`` (the
 fairness tasks without their "fairness/" prefix); clip_benchmark's hub copies are ``wds_<key>``; either is
-found. DataComp reads Flickr and MSCOCO from Hugging Face datasets (nlphuji); we read clip_benchmark's
-retrieval folders of the same test splits (``wds_flickr30k``: Karpathy's 1k, ``wds_mscoco_captions``:
-Karpathy's 5k). WinoGAViL has no webdataset folder and is always reported missing.
+found, and must have clip_benchmark's ``test/nshards.txt``. DataComp reads Flickr and MSCOCO from Hugging
+Face datasets (nlphuji); we read clip_benchmark's retrieval folders of the same test splits
+(``wds_flickr30k``: Karpathy's 1k, ``wds_mscoco_captions``: Karpathy's 5k). WinoGAViL is read from the
+Hugging Face cache DataComp's download leaves, ``hf_cache`` (winogavil.py).
 
 Main metrics as DataComp's evaluation computes them: ``acc1``; ``mean_per_class_recall`` (balanced
 accuracy); ``mean_recall@1`` (the mean of image and text retrieval R@1); ``F1-macro_all`` (iWildCam: macro
 F1 over the labels present); ``acc_worst_region`` (FMoW: the lowest accuracy over the regions present,
 metadata column 0); ``acc_top5_wg`` (Dollar Street: the lowest top-5 accuracy over income groups, column
-0); ``acc_wg`` (GeoDE: the lowest accuracy over regions, column 0).
+0); ``acc_wg`` (GeoDE: the lowest accuracy over regions, column 0); ``jaccard_score_10-12`` (WinoGAViL).
 
 The three numbers FastCLIP reports: the DataComp average (all tasks), the retrieval average (Flickr,
 MSCOCO, WinoGAViL) and the ImageNet-and-variants average (ImageNet-1k and DataComp's "ImageNet dist. shifts"
-group: -V2, -Sketch, -A, -O, -R, ObjectNet).
-With tasks missing each is the mean over the tasks evaluated, and says how many of how many.
+group: -V2, -Sketch, -A, -O, -R, ObjectNet). An average has a ``value`` only when all its tasks were
+evaluated, as DataComp's ``aggregate_scores.py`` gives one only then; otherwise ``value`` is null and
+``mean_of_evaluated`` is the mean over the tasks evaluated, with how many of how many.
+
+Precision (``precision``): "fp32" computes everything in float32; "datacomp" runs what DataComp runs
+under ``torch.cuda.amp.autocast`` in fp16 on a GPU (the zero-shot classifiers' text embeddings, both
+retrieval encoders, WinoGAViL's encoders and similarities) and the rest in float32. DataComp's published
+numbers are the GPU's, so "datacomp" on a GPU is the setting that reproduces them; on a CPU that autocast
+does nothing, and both settings are float32.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from .collectives import Collectives, SingleRank, run_everywhere
-from .metrics import classification_metrics, macro_f1, worst_group
+from .metrics import classification_metrics, macro_f1, top5_hits, worst_group
 from .sets import ClassificationSet, RetrievalSet, read_wds_folder
-from .zeroshot import Preprocess, Tokenize, retrieve, zeroshot_classify
+from .winogavil import evaluate_winogavil, find_winogavil, read_winogavil
+from .zeroshot import Preprocess, Tokenize, build_zeroshot_classifier, classify, retrieve
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +62,7 @@ class Task:
     main_metric: str = "acc1"
     folders: tuple[str, ...] | None = ()
     """Folder names to look for under the datasets root; empty: DataComp's and clip_benchmark's; None: the
-    task has no webdataset folder."""
+    task has no webdataset folder (WinoGAViL: read from the Hugging Face cache)."""
 
     def folder_names(self) -> tuple[str, ...]:
         if self.folders is None or self.folders:
@@ -133,20 +142,29 @@ AVERAGES = {
 # main metrics computed from a classification's predictions and metadata column 0 (the group)
 _GROUP_METRICS: dict[str, Callable[[Any], float]] = {
     "F1-macro_all": lambda p: macro_f1(p.labels, p.predicted),
-    "acc_worst_region": lambda p: worst_group(p.label_ranks < 1, _group_column(p)),
-    "acc_top5_wg": lambda p: worst_group(p.label_ranks < 5, _group_column(p)),
-    "acc_wg": lambda p: worst_group(p.label_ranks < 1, _group_column(p)),
+    # WILDS' and GeoDE's accuracies take the arg-max class; Dollar Street's top 5 is torch.topk's
+    "acc_worst_region": lambda p: worst_group(p.predicted == p.labels, _group_column(p)),
+    "acc_top5_wg": lambda p: worst_group(top5_hits(p.labels, p.top_classes), _group_column(p)),
+    "acc_wg": lambda p: worst_group(p.predicted == p.labels, _group_column(p)),
 }
 
 
+PRECISIONS = ("fp32", "datacomp")
+WINOGAVIL = "misc/winogavil"
+
+
 def find_task_folders(root: str | os.PathLike) -> tuple[dict[Task, Path], list[Task]]:
-    """The tasks whose folder exists under ``root`` (with the folder) and the tasks without one."""
+    """The tasks found under ``root`` (with the folder, or for WinoGAViL the file it is read from) and the
+    tasks not found."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: no such datasets root (a folder of clip_benchmark wds_* folders)")
     found, missing = {}, []
     for task in TASKS:
-        folder = next((root / name for name in task.folder_names() if (root / name).is_dir()), None)
+        if task.key == WINOGAVIL:
+            folder = find_winogavil(root / "hf_cache")
+        else:
+            folder = next((root / name for name in task.folder_names() if (root / name).is_dir()), None)
         if folder is None:
             missing.append(task)
         else:
@@ -163,61 +181,45 @@ def evaluate_datacomp(
     datasets_root: str | os.PathLike,
     batch_size: int,
     device: torch.device | str,
-    autocast_dtype: torch.dtype | None = None,
+    precision: str = "fp32",
     workers: int = 0,
     collectives: Collectives | None = None,
     progress: bool = False,
 ) -> dict[str, Any]:
     """Every task found under ``datasets_root``: ``{"tasks": [per task: key, name, folder, main_metric,
     metrics], "missing": [keys], "averages": {name: {"value", "mean_of_evaluated", "tasks", "of"}}}``, the
-    same on every rank."""
+    same on every rank. ``precision``: "fp32" or "datacomp" (the module docstring)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     collectives = collectives or SingleRank()
     found = _found_on_every_rank(datasets_root, collectives, device)
     missing = [task for task in TASKS if task not in found]
     if not found:
         raise FileNotFoundError(
-            f"{datasets_root}: no DataComp task folder found (looked for e.g. "
+            f"{datasets_root}: no DataComp task found (looked for e.g. "
             f"{' or '.join(TASKS[11].folder_names())} for ImageNet 1k)"
         )
-    common = dict(
-        preprocess=preprocess,
-        batch_size=batch_size,
-        device=device,
-        autocast_dtype=autocast_dtype,
-        workers=workers,
-        collectives=collectives,
-        progress=progress,
-    )
+    # a folder clip_benchmark cannot read stops the run here, before hours of other tasks
+    run_everywhere(collectives, device, lambda: _check_layouts(found))
+    # DataComp's torch.cuda.amp.autocast: fp16 on a GPU, nothing elsewhere
+    fp16 = torch.float16 if precision == "datacomp" and torch.device(device).type == "cuda" else None
+    common = dict(device=device, workers=workers, collectives=collectives, progress=progress)
     rows = []
     for task, folder in found.items():
         log.info("DataComp task %s (%s)", task.name, folder)
-        evalset = run_everywhere(collectives, device, functools.partial(_read_task, task, folder))
-        if task.main_metric == "mean_recall@1":
-            recall = retrieve(model, tokenize, evalset, **common)
-            metrics = {
-                **{f"image_retrieval_recall@{k}": recall[f"text_to_image_R@{k}"] for k in (1, 5, 10)},
-                **{f"text_retrieval_recall@{k}": recall[f"image_to_text_R@{k}"] for k in (1, 5, 10)},
-                "num_samples": recall["num_samples"],
-            }
-            if recall["num_skipped"]:
-                metrics["num_skipped"] = recall["num_skipped"]
-            metrics["mean_recall@1"] = 0.5 * (
-                metrics["image_retrieval_recall@1"] + metrics["text_retrieval_recall@1"]
+        if task.key == WINOGAVIL:
+            read = functools.partial(read_winogavil, Path(datasets_root) / "hf_cache")
+            instances = run_everywhere(collectives, device, read)
+            metrics = evaluate_winogavil(
+                model, tokenize, instances, preprocess=preprocess, autocast_dtype=fp16, **common
             )
         else:
-            predictions = zeroshot_classify(model, tokenize, evalset, **common)
-            scores = classification_metrics(
-                predictions.labels, predictions.label_ranks, predictions.predicted, predictions.num_classes
-            )
-            metrics = {
-                "acc1": scores.pop("top1"),
-                **({"acc5": scores.pop("top5")} if "top5" in scores else {}),
-            }
-            metrics.update(scores)
-            if task.main_metric in _GROUP_METRICS:
-                metrics[task.main_metric] = _GROUP_METRICS[task.main_metric](predictions)
-            if predictions.num_skipped:
-                metrics["num_skipped"] = predictions.num_skipped
+            evalset = run_everywhere(collectives, device, functools.partial(_read_task, task, folder))
+            loading = dict(preprocess=preprocess, batch_size=batch_size, **common)
+            if task.main_metric == "mean_recall@1":
+                metrics = _retrieval(model, tokenize, evalset, autocast_dtype=fp16, **loading)
+            else:
+                metrics = _classification(model, tokenize, evalset, task, text_autocast=fp16, **loading)
         rows.append(
             {
                 "key": task.key,
@@ -230,21 +232,63 @@ def evaluate_datacomp(
         )
     return {
         "suite": "datacomp",
+        "precision": precision,
         "tasks": rows,
         "missing": [task.key for task in missing],
         "averages": averages(rows),
     }
 
 
+def _retrieval(model, tokenize, evalset: RetrievalSet, **loading) -> dict[str, Any]:
+    """DataComp's retrieval metrics (``retr_eval.py``): clip_benchmark's recalls and their R@1 mean."""
+    recall = retrieve(model, tokenize, evalset, **loading)
+    metrics = {
+        **{f"image_retrieval_recall@{k}": recall[f"text_to_image_R@{k}"] for k in (1, 5, 10)},
+        **{f"text_retrieval_recall@{k}": recall[f"image_to_text_R@{k}"] for k in (1, 5, 10)},
+        "num_samples": recall["num_samples"],
+    }
+    if recall["num_skipped"]:
+        metrics["num_skipped"] = recall["num_skipped"]
+    metrics["mean_recall@1"] = 0.5 * (
+        metrics["image_retrieval_recall@1"] + metrics["text_retrieval_recall@1"]
+    )
+    return metrics
+
+
+def _classification(
+    model, tokenize, evalset: ClassificationSet, task: Task, *, text_autocast, **loading
+) -> dict[str, Any]:
+    """DataComp's classification metrics (``wds_eval.py``, ``wilds_eval.py``, ``fairness_eval.py``): the
+    classifier's prompts encoded under ``text_autocast`` (clip_benchmark's default amp), the images
+    without (DataComp passes ``amp=False``)."""
+    shared = {key: loading[key] for key in ("device", "collectives", "progress")}
+    classifier = build_zeroshot_classifier(
+        model, tokenize, evalset.classnames, evalset.templates, autocast_dtype=text_autocast, **shared
+    )
+    predictions = classify(model, classifier, evalset, **loading)
+    scores = classification_metrics(
+        predictions.labels, predictions.top_classes, predictions.predicted, predictions.num_classes
+    )
+    metrics = {"acc1": scores.pop("top1"), **({"acc5": scores.pop("top5")} if "top5" in scores else {})}
+    metrics.update(scores)
+    if task.main_metric in _GROUP_METRICS:
+        metrics[task.main_metric] = _GROUP_METRICS[task.main_metric](predictions)
+    if predictions.num_skipped:
+        metrics["num_skipped"] = predictions.num_skipped
+    return metrics
+
+
 def averages(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """The three averages: ``value`` only where every task of one was evaluated (a mean over fewer tasks is
     another number, which DataComp's aggregate_scores.py refuses to give), ``mean_of_evaluated`` over the
-    tasks evaluated (None without any), and how many tasks of how many."""
-    scores = {row["name"]: row["main_metric"] for row in rows}
+    tasks evaluated (None without any), and how many tasks of how many. Each is ``np.mean`` of the main
+    metrics in task-list order, as aggregate_scores.py takes its average over the results file; a task
+    whose main metric is None (WinoGAViL without a 10-12 instance) counts as not evaluated."""
     result = {}
     for name, members in AVERAGES.items():
-        present = [scores[member] for member in members if member in scores]
-        mean = math.fsum(present) / len(present) if present else None
+        present = [row["main_metric"] for row in rows if row["name"] in members]
+        present = [score for score in present if score is not None]
+        mean = float(np.mean(present)) if present else None
         result[name] = {
             "value": mean if len(present) == len(members) else None,
             "mean_of_evaluated": mean,
@@ -261,7 +305,8 @@ def format_datacomp(results: dict[str, Any]) -> str:
     for row in results["tasks"]:
         skipped = row["metrics"].get("num_skipped", 0)
         note = f"  ({skipped} unreadable samples skipped)" if skipped else ""
-        lines.append(f"{row['name']:<{width}}  {row['main_metric_name']:<22}  {row['main_metric']:.4f}{note}")
+        score = "n/a" if row["main_metric"] is None else f"{row['main_metric']:.4f}"
+        lines.append(f"{row['name']:<{width}}  {row['main_metric_name']:<22}  {score}{note}")
     lines.append("")
     for name, average in results["averages"].items():
         mean = average["mean_of_evaluated"]
@@ -296,6 +341,17 @@ def _found_on_every_rank(root: str | os.PathLike, collectives: Collectives, devi
             f"{root}: the ranks see different task folders; give every rank the same datasets root"
         )
     return found
+
+
+def _check_layouts(found: dict[Task, Path]) -> None:
+    """Every webdataset folder found has clip_benchmark's ``test/nshards.txt``: clip_benchmark (and so
+    DataComp) reads the shard list from it, and refuses a folder without."""
+    for task, folder in found.items():
+        if task.key != WINOGAVIL and not (folder / "test" / "nshards.txt").is_file():
+            raise FileNotFoundError(
+                f"{folder / 'test' / 'nshards.txt'}: missing; clip_benchmark, which DataComp runs, reads a "
+                f"folder's shards from it ({task.name}). DataComp's download_evalsets.py writes it"
+            )
 
 
 def _read_task(task: Task, folder: Path) -> ClassificationSet | RetrievalSet:

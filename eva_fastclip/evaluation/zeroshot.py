@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from .collectives import Collectives, SingleRank, gather_rows, run_everywhere
-from .metrics import label_ranks, retrieval_recall
+from .metrics import retrieval_recall, top_classes
 from .samples import SampleDataset, share_loader
 from .sets import ClassificationSet, RetrievalSet
 
@@ -35,13 +35,12 @@ Tokenize = Callable[[list[str]], Tensor]
 
 @dataclass(frozen=True, slots=True)
 class Predictions:
-    """Per evaluated sample, in sample order: its label, the rank of the label among the classes (the
-    number of other classes scoring at least as high: ties never count in the model's favour), the
-    top-scoring class and the sample's metadata row (WILDS and fairness sets; else None)."""
+    """Per evaluated sample, in sample order: its label, its top classes (``metrics.top_classes``: [N, 5],
+    [N, 1] under 5 classes), its arg-max class and its metadata row (WILDS and fairness sets; else None)."""
 
     ordinals: Tensor
     labels: Tensor
-    label_ranks: Tensor
+    top_classes: Tensor
     predicted: Tensor
     metadata: Tensor | None
     num_classes: int
@@ -130,7 +129,7 @@ def classify(
         parts: dict[str, list[Tensor]] = {
             "ordinals": [],
             "labels": [],
-            "ranks": [],
+            "top": [],
             "predicted": [],
             "meta": [],
         }
@@ -146,11 +145,11 @@ def classify(
                     )
                 with _autocast(device, autocast_dtype):
                     features = F.normalize(_encode_images(model, images, device), dim=-1)
-                logits = features @ classifier
+                logits = (100.0 * features @ classifier).cpu()  # clip_benchmark's logits, to the bit
                 parts["ordinals"].append(ordinals)
                 parts["labels"].append(labels)
-                parts["ranks"].append(label_ranks(logits, labels.to(logits.device)).cpu())
-                parts["predicted"].append(logits.argmax(dim=1).cpu())
+                parts["top"].append(top_classes(logits))
+                parts["predicted"].append(logits.argmax(dim=1))
                 if targets[0][1] is not None:
                     parts["meta"].append(torch.as_tensor(np.stack([meta for _, meta in targets])).double())
         return {key: torch.cat(values) if values else torch.zeros(0) for key, values in parts.items()}
@@ -167,7 +166,7 @@ def classify(
     return Predictions(
         ordinals=gathered["ordinals"][order],
         labels=gathered["labels"][order],
-        label_ranks=gathered["ranks"][order],
+        top_classes=gathered["top"][order],
         predicted=gathered["predicted"][order],
         metadata=metadata,
         num_classes=num_classes,
@@ -225,7 +224,7 @@ def retrieve(
     text_order = torch.sort(gathered["owners"], stable=True).indices
     texts, owners = gathered["texts"][text_order], gathered["owners"][text_order]
     text_to_image = torch.searchsorted(ordinals, owners)
-    metrics = retrieval_recall(images, texts, text_to_image, ks)
+    metrics = retrieval_recall(images, texts, text_to_image, ks, batch_size=batch_size, device=device)
     skipped = len(evalset.samples) - len(images)
     return {**metrics, "num_samples": len(images), "num_texts": len(texts), "num_skipped": skipped}
 

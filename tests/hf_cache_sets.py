@@ -1,0 +1,108 @@
+"""A tiny WinoGAViL in the Hugging Face cache layout DataComp's download leaves (datasets 2.8.0; checked
+against a cache that library wrote from a stand-in loading script: the same folders, file names, Arrow
+schema and metadata):
+
+    hf_cache/nlphuji___winogavil/TEST/1.1.0/<hash>/{winogavil-test.arrow, dataset_info.json}
+    hf_cache/downloads/<sha256(url)>{,.json}            the CSV and the image archive, with their URLs
+    hf_cache/downloads/extracted/<sha256>/winogavil_images/<candidate>.jpg
+
+The Arrow file is a stream whose image column holds absolute paths (no bytes) under the cache as it was
+when written, ``written_at``: a cache moved since must be found again. Each image holds a feature vector
+in its pixels (eval_sets.vector_png; PNG bytes, which PIL reads whatever the extension, so the features
+survive exactly).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+from pathlib import Path
+
+from eval_sets import vector_png
+
+BASE_URL = "https://huggingface.co/datasets/nlphuji/winogavil/resolve/main/"
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def write_winogavil_cache(
+    hf_cache: Path,
+    instances: list[dict],
+    *,
+    written_at: Path | None = None,
+    prepared: bool = True,
+) -> Path:
+    """``instances``: dicts with "cue", "candidates", "associations" and "vectors" (one per candidate;
+    a candidate name shared by two instances must have the same vector). Returns ``hf_cache``."""
+    import pyarrow as pa
+
+    written_at = written_at or hf_cache
+    zip_name = _sha(BASE_URL + "winogavil_images.zip")
+    extracted = f"downloads/extracted/{_sha(str(written_at / 'downloads' / zip_name))}/winogavil_images"
+    (hf_cache / extracted).mkdir(parents=True, exist_ok=True)
+    for instance in instances:
+        for name, vector in zip(instance["candidates"], instance["vectors"]):
+            (hf_cache / extracted / f"{name}.jpg").write_bytes(vector_png(vector))
+
+    downloads = hf_cache / "downloads"
+    (downloads / zip_name).write_bytes(b"PK\x05\x06" + bytes(18))  # the archive itself is not read
+    (downloads / f"{zip_name}.json").write_text(json.dumps({"url": BASE_URL + "winogavil_images.zip"}))
+    csv_name = _sha(BASE_URL + "winogavil_dataset.csv")
+    with open(downloads / csv_name, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["", "candidates", "cue", "associations", "num_associations", "ID"])
+        for i, instance in enumerate(instances):
+            candidates, associations = instance["candidates"], instance["associations"]
+            writer.writerow([i, json.dumps(candidates), instance["cue"], json.dumps(associations),
+                             len(associations), i])  # fmt: skip
+    (downloads / f"{csv_name}.json").write_text(json.dumps({"url": BASE_URL + "winogavil_dataset.csv"}))
+    if not prepared:
+        return hf_cache
+
+    image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    features = {
+        "candidates": [{"dtype": "string", "_type": "Value"}],
+        "candidate_images": [{"_type": "Image"}],
+        "cue": {"dtype": "string", "_type": "Value"},
+        "associations": [{"dtype": "string", "_type": "Value"}],
+        "num_associations": {"dtype": "int64", "_type": "Value"},
+        "ID": {"dtype": "int64", "_type": "Value"},
+    }
+    schema = pa.schema(
+        [
+            ("candidates", pa.list_(pa.string())),
+            ("candidate_images", pa.list_(image)),
+            ("cue", pa.string()),
+            ("associations", pa.list_(pa.string())),
+            ("num_associations", pa.int64()),
+            ("ID", pa.int64()),
+        ],
+        metadata={"huggingface": json.dumps({"info": {"features": features}})},
+    )
+    rows = [
+        {
+            "candidates": instance["candidates"],
+            "candidate_images": [
+                {"bytes": None, "path": str(written_at / extracted / f"{name}.jpg")}
+                for name in instance["candidates"]
+            ],
+            "cue": instance["cue"],
+            "associations": instance["associations"],
+            "num_associations": len(instance["associations"]),
+            "ID": i,
+        }
+        for i, instance in enumerate(instances)
+    ]
+    prepared_dir = hf_cache / "nlphuji___winogavil" / "TEST" / "1.1.0" / _sha("the loading script")
+    prepared_dir.mkdir(parents=True)
+    arrow = prepared_dir / "winogavil-test.arrow"
+    with pa.OSFile(str(arrow), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        writer.write_batch(pa.RecordBatch.from_pylist(rows, schema=schema))
+    info = {"builder_name": "winogavil", "config_name": "TEST", "version": {"version_str": "1.1.0"}}
+    info["splits"] = {"test": {"name": "test", "num_examples": len(rows), "dataset_name": "winogavil"}}
+    info["features"] = features
+    (prepared_dir / "dataset_info.json").write_text(json.dumps(info))
+    return hf_cache

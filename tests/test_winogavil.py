@@ -1,0 +1,173 @@
+"""WinoGAViL as DataComp evaluates it: read from a Hugging Face cache in the layout DataComp's download
+leaves (the prepared Arrow file; the CSV with the unpacked images; a cache moved since), and scored against
+DataComp's scoring loop written out here, on 1 rank and on 3."""
+
+import shutil
+
+import numpy as np
+import pytest
+from eval_sets import CAPTIONS, DIM, FakeModel, fake_tokenize, vector_preprocess
+from hf_cache_sets import write_winogavil_cache
+from sklearn.metrics import jaccard_score
+
+from eva_fastclip.evaluation.winogavil import (
+    cue_prompt,
+    evaluate_winogavil,
+    find_winogavil,
+    jaccard_of_choice,
+    read_winogavil,
+    winogavil_metrics,
+)
+
+CUES = ["Moon", "apple", "Owl", "fire", "winter", "ice", "sand", "unicorn", "gold", "echo", "tree", "rain"]
+
+
+def make_instances(seed: int = 0) -> list[dict]:
+    """Instances of 5, 6, 10, 12 and 7 candidates (7: in no size group). An image is a scaled axis, so
+    its similarity with a cue is one component of the cue's unit vector, the same bits whichever the
+    arithmetic: the images that repeat within an instance tie exactly, for the choice to break."""
+    rng = np.random.default_rng(seed)
+    instances = []
+    for i, cue in enumerate(CUES):
+        size = [5, 6, 10, 12, 7][i % 5]
+        axes = rng.choice(DIM, 3, replace=False)  # 3 distinct images, each used often
+        looks = np.eye(DIM)[axes] * rng.choice([0.5, 1.0, 2.0], (3, 1))
+        vectors = looks[rng.integers(0, 3, size)]
+        candidates = [f"{cue.lower()}_{j}" for j in range(size)]
+        associations = list(rng.choice(candidates, int(rng.integers(2, size // 2 + 1)), replace=False))
+        instances.append(
+            {"cue": cue, "candidates": candidates, "associations": associations, "vectors": vectors.tolist()}
+        )
+        CAPTIONS[cue_prompt(cue)] = (np.round(rng.normal(size=DIM) * 4) / 4).tolist()
+    return instances
+
+
+def datacomp_loop(similarities: list[np.ndarray], truths: list[np.ndarray]) -> tuple[list[float], dict]:
+    """DataComp's ``evaluate_winogavil_dataset`` loop (mlfoundations/datacomp eval_utils/wino_eval.py at
+    4a8df19) written out, from each instance's similarities on. Its ``np.argsort`` is numpy 1.23's (pinned),
+    which sorts these few elements by insertion, stably: ``kind="stable"`` here, as numpy 2's default
+    vectorised sort is not stable (checked against DataComp's loop under numpy 1.23.5: docs/evaluation.md)."""
+    all_groups, all_scores = [], []
+    for image_logits, y_true in zip(similarities, truths):
+        n_images, n_assoc = len(image_logits), y_true.sum()
+        topk_indices = np.argsort(image_logits, kind="stable")[-n_assoc:]
+        y_pred = np.isin(np.arange(n_images), topk_indices)
+        all_scores.append(jaccard_score(y_true, y_pred, zero_division=0.0))
+        all_groups.append(n_images)
+    all_groups, all_scores = np.array(all_groups), np.array(all_scores)
+    return all_scores.tolist(), {
+        "avg_jaccard_score": all_scores.mean(),
+        "jaccard_score_5": all_scores[all_groups == 5].mean(),
+        "jaccard_score_6": all_scores[all_groups == 6].mean(),
+        "jaccard_score_10": all_scores[all_groups == 10].mean(),
+        "jaccard_score_12": all_scores[all_groups == 12].mean(),
+        "jaccard_score_5-6": all_scores[all_groups <= 6].mean(),
+        "jaccard_score_10-12": all_scores[all_groups >= 10].mean(),
+    }
+
+
+def similarities_and_truths(instances: list[dict]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Each instance's cue-image similarities in float64 (normalised features) and its true candidates."""
+    similarities, truths = [], []
+    for instance in instances:
+        images = np.asarray(instance["vectors"], dtype=np.float64)
+        text = np.asarray(CAPTIONS[cue_prompt(instance["cue"])], dtype=np.float64)
+        images /= np.linalg.norm(images, axis=1, keepdims=True)
+        similarities.append(images @ (text / np.linalg.norm(text)))
+        truths.append(np.isin(instance["candidates"], instance["associations"]))
+    return similarities, truths
+
+
+@pytest.fixture()
+def cache(tmp_path):
+    CAPTIONS.clear()
+    instances = make_instances()
+    return write_winogavil_cache(tmp_path / "hf_cache", instances), instances
+
+
+def test_scores_equal_datacomps_scoring_on_one_rank_and_on_three(cache):
+    from test_evaluation import on_ranks
+
+    hf_cache, instances = cache
+    read = read_winogavil(hf_cache)
+    assert [i.cue for i in read] == CUES and [len(i.candidates) for i in read][:5] == [5, 6, 10, 12, 7]
+    similarities, truths = similarities_and_truths(instances)
+    scores, expected = datacomp_loop(similarities, truths)
+    ours = evaluate_winogavil(FakeModel(), fake_tokenize, read, preprocess=vector_preprocess, device="cpu")
+    assert ours == {**expected, "num_samples": len(CUES)}
+    # the ties decide some instances: taking the first of equal candidates would score otherwise
+    first_wins = [jaccard_of_choice(s - np.arange(len(s)) * 1e-9, t) for s, t in zip(similarities, truths)]
+    assert first_wins != scores
+
+    def work(collectives):
+        return evaluate_winogavil(
+            FakeModel(), fake_tokenize, read, preprocess=vector_preprocess, device="cpu", workers=1,
+            collectives=collectives,
+        )  # fmt: skip
+
+    assert on_ranks(3, work) == [ours] * 3
+
+
+def test_the_scoring_equals_datacomps_loop_on_tied_fp16_similarities():
+    """Similarities as DataComp's fp16 autocast gives them (few levels: many ties), with instances of no
+    true association among them: the scores and metrics equal DataComp's loop on the same numbers."""
+    rng = np.random.default_rng(2)
+    sizes = rng.choice([5, 6, 10, 12, 7], 600)
+    similarities = [(rng.integers(0, 6, n) / 8).astype(np.float16) for n in sizes]
+    truths = []
+    for i, n in enumerate(sizes):
+        truth = np.zeros(n, dtype=bool)
+        truth[rng.choice(n, int(rng.integers(1, n)) if i % 50 else 0, replace=False)] = True
+        truths.append(truth)
+    theirs_scores, theirs = datacomp_loop(similarities, truths)
+    ours_scores = [jaccard_of_choice(s, t) for s, t in zip(similarities, truths)]
+    assert ours_scores == theirs_scores
+    assert winogavil_metrics(ours_scores, sizes) == {**theirs, "num_samples": len(sizes)}
+
+
+def test_a_tie_goes_to_the_later_candidate_and_no_association_chooses_all():
+    # numpy 1.23's argsort keeps equal scores in order; [-k:] takes the last of them
+    assert jaccard_of_choice(np.array([0.5, 0.5, 0.1]), np.array([True, False, False])) == 0.0
+    assert jaccard_of_choice(np.array([0.5, 0.5, 0.1]), np.array([False, True, False])) == 1.0
+    assert jaccard_of_choice(np.array([0.9, 0.5, 0.1, 0.7]), np.array([True, False, False, True])) == 1.0
+    assert jaccard_of_choice(np.array([0.1, 0.5, 0.9]), np.array([True, True, False])) == 1 / 3
+    # k = 0: DataComp's [-0:] takes every candidate, and sklearn's Jaccard of nothing true is 0
+    assert jaccard_of_choice(np.array([0.1, 0.5]), np.array([False, False])) == 0.0
+
+
+def test_the_prompt_is_datacomps():
+    assert [cue_prompt(c) for c in ("Moon", "apple", "Owl", "echo", "unicorn")] == [
+        "A moon", "An apple", "An owl", "An echo", "An unicorn",
+    ]  # fmt: skip
+
+
+def test_a_moved_cache_and_the_csv_give_the_same_instances(tmp_path):
+    CAPTIONS.clear()
+    instances = make_instances(1)
+    first = write_winogavil_cache(tmp_path / "first" / "hf_cache", instances)
+    moved = tmp_path / "moved" / "hf_cache"
+    moved.parent.mkdir()
+    shutil.move(first, moved)  # the Arrow file's image paths name the first place, gone now
+    from_arrow = read_winogavil(moved)
+    assert all(str(path).startswith(str(moved)) for i in from_arrow for path in i.images)
+    assert find_winogavil(moved).name == "winogavil-test.arrow"
+
+    csv_only = write_winogavil_cache(tmp_path / "csv" / "hf_cache", instances, prepared=False)
+    from_csv = read_winogavil(csv_only)
+    assert find_winogavil(csv_only).suffix == ""  # the download's own name: the URL's hash
+    for a, b in zip(from_arrow, from_csv, strict=True):
+        assert (a.cue, a.candidates, a.truth) == (b.cue, b.candidates, b.truth)
+        assert [p.read_bytes() for p in a.images] == [p.read_bytes() for p in b.images]
+    assert sum(sum(i.truth) for i in from_arrow) == sum(len(i["associations"]) for i in instances)
+
+
+def test_a_missing_cache_or_image_is_named(tmp_path):
+    assert find_winogavil(tmp_path) is None
+    with pytest.raises(FileNotFoundError, match="nlphuji/winogavil"):
+        read_winogavil(tmp_path)
+    CAPTIONS.clear()
+    hf_cache = write_winogavil_cache(tmp_path / "hf_cache", make_instances())
+    lost = next((hf_cache / "downloads" / "extracted").rglob("moon_3.jpg"))
+    lost.unlink()
+    with pytest.raises(FileNotFoundError, match="moon_3.jpg"):
+        read_winogavil(hf_cache)
