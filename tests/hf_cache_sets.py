@@ -1,10 +1,11 @@
-"""A tiny WinoGAViL in the Hugging Face cache layout DataComp's download leaves (datasets 2.8.0; checked
-against a cache that library wrote from a stand-in loading script: the same folders, file names, Arrow
-schema and metadata):
+"""Tiny WinoGAViL, Flickr and MSCOCO splits in the Hugging Face cache layout DataComp's download leaves
+(datasets 2.8.0; checked against a cache that library wrote from a stand-in loading script: the same
+folders, file names, Arrow schema and metadata):
 
     hf_cache/nlphuji___winogavil/TEST/1.1.0/<hash>/{winogavil-test.arrow, dataset_info.json}
     hf_cache/downloads/<sha256(url)>{,.json}            the CSV and the image archive, with their URLs
     hf_cache/downloads/extracted/<sha256>/winogavil_images/<candidate>.jpg
+    hf_cache/nlphuji___flickr_1k_test_image_text_retrieval/TEST/1.1.0/<hash>/...-test.arrow  (image, caption)
 
 The Arrow file is a stream whose image column holds absolute paths (no bytes) under the cache as it was
 when written, ``written_at``: a cache moved since must be found again. Each image holds a feature vector
@@ -71,17 +72,14 @@ def write_winogavil_cache(
         "num_associations": {"dtype": "int64", "_type": "Value"},
         "ID": {"dtype": "int64", "_type": "Value"},
     }
-    schema = pa.schema(
-        [
-            ("candidates", pa.list_(pa.string())),
-            ("candidate_images", pa.list_(image)),
-            ("cue", pa.string()),
-            ("associations", pa.list_(pa.string())),
-            ("num_associations", pa.int64()),
-            ("ID", pa.int64()),
-        ],
-        metadata={"huggingface": json.dumps({"info": {"features": features}})},
-    )
+    columns = [
+        ("candidates", pa.list_(pa.string())),
+        ("candidate_images", pa.list_(image)),
+        ("cue", pa.string()),
+        ("associations", pa.list_(pa.string())),
+        ("num_associations", pa.int64()),
+        ("ID", pa.int64()),
+    ]
     rows = [
         {
             "candidates": instance["candidates"],
@@ -96,13 +94,46 @@ def write_winogavil_cache(
         }
         for i, instance in enumerate(instances)
     ]
-    prepared_dir = hf_cache / "nlphuji___winogavil" / "TEST" / "1.1.0" / _sha("the loading script")
+    _write_prepared_split(hf_cache, "winogavil", columns, features, rows)
+    return hf_cache
+
+
+def write_retrieval_cache(
+    hf_cache: Path, name: str, vectors, captions: list[list[str]], *, written_at: Path | None = None
+) -> Path:
+    """``nlphuji/<name>``'s test split as its loading script leaves it: per image its file (a path under
+    the unpacked archive) and its caption list."""
+    import pyarrow as pa
+
+    written_at = written_at or hf_cache
+    folder = f"downloads/extracted/{_sha(name)}/images_{name}"
+    (hf_cache / folder).mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, (vector, lines) in enumerate(zip(vectors, captions)):
+        (hf_cache / folder / f"{i}.jpg").write_bytes(vector_png(vector))
+        image = {"bytes": None, "path": str(written_at / folder / f"{i}.jpg")}
+        rows.append({"image": image, "caption": lines, "filename": f"{i}.jpg"})
+    features = {
+        "image": {"_type": "Image"},
+        "caption": [{"dtype": "string", "_type": "Value"}],
+        "filename": {"dtype": "string", "_type": "Value"},
+    }
+    image_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    columns = [("image", image_type), ("caption", pa.list_(pa.string())), ("filename", pa.string())]
+    _write_prepared_split(hf_cache, name, columns, features, rows)
+    return hf_cache
+
+
+def _write_prepared_split(hf_cache: Path, name: str, columns, features: dict, rows: list[dict]) -> None:
+    import pyarrow as pa
+
+    schema = pa.schema(columns, metadata={"huggingface": json.dumps({"info": {"features": features}})})
+    prepared_dir = hf_cache / f"nlphuji___{name}" / "TEST" / "1.1.0" / _sha("the loading script")
     prepared_dir.mkdir(parents=True)
-    arrow = prepared_dir / "winogavil-test.arrow"
+    arrow = prepared_dir / f"{name}-test.arrow"
     with pa.OSFile(str(arrow), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
         writer.write_batch(pa.RecordBatch.from_pylist(rows, schema=schema))
-    info = {"builder_name": "winogavil", "config_name": "TEST", "version": {"version_str": "1.1.0"}}
-    info["splits"] = {"test": {"name": "test", "num_examples": len(rows), "dataset_name": "winogavil"}}
+    info = {"builder_name": name, "config_name": "TEST", "version": {"version_str": "1.1.0"}}
+    info["splits"] = {"test": {"name": "test", "num_examples": len(rows), "dataset_name": name}}
     info["features"] = features
     (prepared_dir / "dataset_info.json").write_text(json.dumps(info))
-    return hf_cache

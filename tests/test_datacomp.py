@@ -169,12 +169,44 @@ def test_every_found_task_scores_its_main_metric_as_datacomp_defines_it(root):
     assert "misc/winogavil" in results["missing"]
 
 
+def retrieval_task(rng, name: str, n: int = 5):
+    """Images and their captions (one or two each), the captions' text vectors registered near their
+    image's."""
+    images = np.clip(np.round(rng.normal(size=(n, DIM)) * 20) / 20, -3, 3)
+    captions = [[f"{name} {i} {j}" for j in range(1 + i % 2)] for i in range(n)]
+    for i, lines in enumerate(captions):
+        for caption in lines:
+            CAPTIONS[caption] = (images[i] + rng.normal(size=DIM)).tolist()
+    return images, captions
+
+
+def test_flickr_from_the_hf_cache_equals_its_webdataset_folder(tmp_path):
+    """The same images and captions read from a moved Hugging Face cache (DataComp's source) and from a
+    clip_benchmark folder score the same recalls."""
+    from hf_cache_sets import write_retrieval_cache
+
+    CAPTIONS.clear()
+    images, captions = retrieval_task(np.random.default_rng(3), "Flickr", n=9)
+    flickr = TASKS[[task.name for task in TASKS].index("Flickr")]
+    name = flickr.hf_repo.split("/")[1]
+    write_retrieval_cache(tmp_path / "hf" / "hf_cache", name, images, captions, written_at=tmp_path / "gone")
+    write_retrieval_folder(tmp_path / "wds" / "wds_flickr30k", images, captions, per_shard=4)
+    common = dict(tokenize=fake_tokenize, preprocess=vector_preprocess, batch_size=4, device="cpu")
+    from_cache = evaluate_datacomp(FakeModel(), datasets_root=tmp_path / "hf", **common)
+    from_folder = evaluate_datacomp(FakeModel(), datasets_root=tmp_path / "wds", **common)
+    (cache_row,), (folder_row,) = from_cache["tasks"], from_folder["tasks"]
+    assert cache_row["folder"].endswith(f"{name}-test.arrow") and folder_row["folder"].endswith(
+        "wds_flickr30k"
+    )
+    assert cache_row["metrics"] == folder_row["metrics"] and cache_row["metrics"]["num_samples"] == 9
+
+
 @pytest.fixture(scope="module")
 def full_root(tmp_path_factory):
-    """All 38 tasks as DataComp's download leaves them: a wds_*_test folder for each of the 37 webdataset
-    tasks (WILDS and fairness with their metadata, Flickr and MSCOCO as clip_benchmark's retrieval
-    folders) and WinoGAViL in hf_cache."""
-    from hf_cache_sets import write_winogavil_cache
+    """All 38 tasks as DataComp's download leaves them: a wds_*_test folder for each of the 35 webdataset
+    tasks (WILDS and fairness with their metadata), Flickr and WinoGAViL in hf_cache; MSCOCO as
+    clip_benchmark's retrieval folder, the other source read."""
+    from hf_cache_sets import write_retrieval_cache, write_winogavil_cache
     from test_winogavil import make_instances
 
     rng = np.random.default_rng(1)
@@ -183,13 +215,12 @@ def full_root(tmp_path_factory):
     for task in TASKS:
         if task.folders is None:
             write_winogavil_cache(root / "hf_cache", make_instances(2))
-        elif task.main_metric == "mean_recall@1":
-            images = np.clip(np.round(rng.normal(size=(5, DIM)) * 20) / 20, -3, 3)
-            captions = [[f"{task.name} {i} {j}" for j in range(1 + i % 2)] for i in range(5)]
-            for i, lines in enumerate(captions):
-                for caption in lines:
-                    CAPTIONS[caption] = (images[i] + rng.normal(size=DIM)).tolist()
-            write_retrieval_folder(root / task.folders[0], images, captions, per_shard=2)
+        elif task.main_metric == "mean_recall@1":  # Flickr in hf_cache as DataComp's; MSCOCO as a folder
+            images, captions = retrieval_task(rng, task.name)
+            if task.name == "Flickr":
+                write_retrieval_cache(root / "hf_cache", task.hf_repo.split("/")[1], images, captions)
+            else:
+                write_retrieval_folder(root / task.folders[0], images, captions, per_shard=2)
         else:
             vectors, labels = classification_task(rng, 8)
             metadata = np.stack([rng.integers(0, 3, 8), rng.integers(0, 9, 8)], axis=1)
@@ -230,7 +261,11 @@ def test_eval_suite_from_the_command_line_on_all_38_tasks(full_root, tmp_path, c
     written = json.loads((tmp_path / "model.pt.datacomp.json").read_text())
     assert written["checkpoint"] == str(checkpoint) and written["missing"] == []
     assert [row["name"] for row in written["tasks"]] == [task.name for task in TASKS]
-    wino = written["tasks"][[task.key for task in TASKS].index("misc/winogavil")]
+    rows = {row["name"]: row for row in written["tasks"]}
+    assert rows["Flickr"]["folder"].endswith(".arrow") and rows["MSCOCO"]["folder"].endswith(
+        "wds_mscoco_captions"
+    )
+    wino = rows["WinoGAViL"]
     assert wino["main_metric_name"] == "jaccard_score_10-12" and wino["metrics"]["num_samples"] == 12
     theirs = datacomp_aggregate(written["tasks"])
     averages = written["averages"]

@@ -8,10 +8,10 @@ results (its aggregate drops them), which leaves the 38 tasks below.
 
 Folders: DataComp's ``download_evalsets.py`` names a task's folder ``wds_<key, "/" as "-">_test`` (the
 fairness tasks without their "fairness/" prefix); clip_benchmark's hub copies are ``wds_<key>``; either is
-found, and must have clip_benchmark's ``test/nshards.txt``. DataComp reads Flickr and MSCOCO from Hugging
-Face datasets (nlphuji); we read clip_benchmark's retrieval folders of the same test splits
-(``wds_flickr30k``: Karpathy's 1k, ``wds_mscoco_captions``: Karpathy's 5k). WinoGAViL is read from the
-Hugging Face cache DataComp's download leaves, ``hf_cache`` (winogavil.py).
+found, and must have clip_benchmark's ``test/nshards.txt``. DataComp reads Flickr, MSCOCO and WinoGAViL
+from Hugging Face datasets (nlphuji), which its download caches in ``<root>/hf_cache``: they are read from
+there (hf_cache.py, winogavil.py), and Flickr and MSCOCO otherwise from clip_benchmark's retrieval folders
+of the same test splits (``wds_flickr30k``: Karpathy's 1k, ``wds_mscoco_captions``: Karpathy's 5k).
 
 Main metrics as DataComp's evaluation computes them: ``acc1``; ``mean_per_class_recall`` (balanced
 accuracy); ``mean_recall@1`` (the mean of image and text retrieval R@1); ``F1-macro_all`` (iWildCam: macro
@@ -47,8 +47,9 @@ import torch
 from torch import nn
 
 from .collectives import Collectives, SingleRank, run_everywhere
+from .hf_cache import prepared_split
 from .metrics import classification_metrics, macro_f1, top5_hits, worst_group
-from .sets import ClassificationSet, RetrievalSet, read_wds_folder
+from .sets import ClassificationSet, RetrievalSet, read_hf_retrieval_split, read_wds_folder
 from .winogavil import evaluate_winogavil, find_winogavil, read_winogavil
 from .zeroshot import Preprocess, Tokenize, build_zeroshot_classifier, classify, retrieve
 
@@ -62,7 +63,9 @@ class Task:
     main_metric: str = "acc1"
     folders: tuple[str, ...] | None = ()
     """Folder names to look for under the datasets root; empty: DataComp's and clip_benchmark's; None: the
-    task has no webdataset folder (WinoGAViL: read from the Hugging Face cache)."""
+    task has no webdataset folder (WinoGAViL)."""
+    hf_repo: str | None = None
+    """The Hugging Face dataset DataComp reads the task from, looked for first in ``<root>/hf_cache``."""
 
     def folder_names(self) -> tuple[str, ...]:
         if self.folders is None or self.folders:
@@ -108,14 +111,16 @@ TASKS: tuple[Task, ...] = (
         "Flickr",
         "mean_recall@1",
         folders=("wds_flickr30k", "wds_flickr30k_test"),
+        hf_repo="nlphuji/flickr_1k_test_image_text_retrieval",
     ),
     Task(
         "retrieval/mscoco_2014_5k_test_image_text_retrieval",
         "MSCOCO",
         "mean_recall@1",
         folders=("wds_mscoco_captions", "wds_mscoco_captions_test"),
+        hf_repo="nlphuji/mscoco_2014_5k_test_image_text_retrieval",
     ),
-    Task("misc/winogavil", "WinoGAViL", "jaccard_score_10-12", folders=None),
+    Task("misc/winogavil", "WinoGAViL", "jaccard_score_10-12", folders=None, hf_repo="nlphuji/winogavil"),
     Task("wilds/iwildcam", "iWildCam", "F1-macro_all"),
     Task("wilds/camelyon17", "Camelyon17"),
     Task("wilds/fmow", "FMoW", "acc_worst_region"),
@@ -154,16 +159,20 @@ WINOGAVIL = "misc/winogavil"
 
 
 def find_task_folders(root: str | os.PathLike) -> tuple[dict[Task, Path], list[Task]]:
-    """The tasks found under ``root`` (with the folder, or for WinoGAViL the file it is read from) and the
-    tasks not found."""
+    """The tasks found under ``root``, each with where it is read from (a webdataset folder, or the Arrow
+    file or CSV of its Hugging Face split in ``root/hf_cache``), and the tasks not found. A task DataComp
+    reads from Hugging Face is looked for there first, as DataComp reads it."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: no such datasets root (a folder of clip_benchmark wds_* folders)")
     found, missing = {}, []
     for task in TASKS:
+        folder = None
         if task.key == WINOGAVIL:
             folder = find_winogavil(root / "hf_cache")
-        else:
+        elif task.hf_repo:
+            folder = next(iter(prepared_split(root / "hf_cache", task.hf_repo) or []), None)
+        if folder is None:
             folder = next((root / name for name in task.folder_names() if (root / name).is_dir()), None)
         if folder is None:
             missing.append(task)
@@ -214,7 +223,8 @@ def evaluate_datacomp(
                 model, tokenize, instances, preprocess=preprocess, autocast_dtype=fp16, **common
             )
         else:
-            evalset = run_everywhere(collectives, device, functools.partial(_read_task, task, folder))
+            read = functools.partial(_read_task, task, folder, Path(datasets_root) / "hf_cache")
+            evalset = run_everywhere(collectives, device, read)
             loading = dict(preprocess=preprocess, batch_size=batch_size, **common)
             if task.main_metric == "mean_recall@1":
                 metrics = _retrieval(model, tokenize, evalset, autocast_dtype=fp16, **loading)
@@ -347,14 +357,17 @@ def _check_layouts(found: dict[Task, Path]) -> None:
     """Every webdataset folder found has clip_benchmark's ``test/nshards.txt``: clip_benchmark (and so
     DataComp) reads the shard list from it, and refuses a folder without."""
     for task, folder in found.items():
-        if task.key != WINOGAVIL and not (folder / "test" / "nshards.txt").is_file():
+        if folder.is_dir() and not (folder / "test" / "nshards.txt").is_file():
             raise FileNotFoundError(
                 f"{folder / 'test' / 'nshards.txt'}: missing; clip_benchmark, which DataComp runs, reads a "
                 f"folder's shards from it ({task.name}). DataComp's download_evalsets.py writes it"
             )
 
 
-def _read_task(task: Task, folder: Path) -> ClassificationSet | RetrievalSet:
+def _read_task(task: Task, folder: Path, hf_cache: Path) -> ClassificationSet | RetrievalSet:
+    if folder.suffix == ".arrow":  # the task's Hugging Face split (find_task_folders)
+        files = prepared_split(hf_cache, task.hf_repo)
+        return read_hf_retrieval_split(files, hf_cache, name=task.key)
     evalset = read_wds_folder(folder, name=task.key)
     retrieval = task.main_metric == "mean_recall@1"
     if retrieval != isinstance(evalset, RetrievalSet):

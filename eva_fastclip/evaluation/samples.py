@@ -34,11 +34,12 @@ _WARNINGS_PER_PROCESS = 10
 @dataclass(frozen=True, slots=True)
 class StoredSample:
     """Where one sample's bytes are: members of a tar shard ``{extension: (offset, size)}``, or (with
-    ``members`` None) one image file whose label the set already knows."""
+    ``members`` None) one image file whose label or captions the set already knows."""
 
     path: str
     members: dict[str, tuple[int, int]] | None = None
     label: int | None = None
+    captions: tuple[str, ...] | None = None
 
     def read(self) -> dict[str, bytes]:
         """The sample's files by extension; an image file's bytes under "image"."""

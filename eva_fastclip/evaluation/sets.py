@@ -5,6 +5,7 @@ against; nothing here downloads.
   ``zeroshot_classification_templates.txt``, ``dataset_type.txt``): its shard list, class names, prompts
   and type come from clip_benchmark's own builder, so a folder it refuses is refused here too. A folder
   without ``nshards.txt`` (the layout ``eval.zeroshot_dir`` accepted before) is read from ``test/*.tar``.
+- A retrieval split of a Hugging Face cache (``read_hf_retrieval_split``): DataComp's Flickr and MSCOCO.
 - Image-text shards in the training layout (``eval.retrieval_shards``): the first caption line per image.
 - An ImageNet validation folder ``DIR/<wnid>/*.JPEG`` (OpenCLIP's ``--imagenet-val``) read as torchvision's
   ImageFolder reads it, scored with open_clip's class names and OpenAI's 80 prompts. The wnids come from
@@ -64,6 +65,8 @@ class RetrievalSet:
     """Every line of the .txt is a caption (clip_benchmark's retrieval folders); else only the first."""
 
     def target(self, parts: dict[str, bytes], sample: StoredSample) -> list[str]:
+        if sample.captions is not None:  # a Hugging Face split: the captions are in its rows
+            return list(sample.captions)
         text = parts["txt"].decode("utf-8")
         return text.splitlines() if self.every_line else [text.strip().split("\n", 1)[0].strip()]
 
@@ -149,6 +152,27 @@ def read_wds_folder(root: str | os.PathLike, name: str | None = None) -> Classif
         if not value:
             raise FileNotFoundError(f"{root / file}: missing or empty; a classification folder needs {what}")
     return ClassificationSet(name, _index(shards, _CLASSIFICATION_PARTS), classnames, templates)
+
+
+def read_hf_retrieval_split(files: list[Path], hf_cache: str | os.PathLike, name: str) -> RetrievalSet:
+    """A retrieval split of the Hugging Face cache (hf_cache.py), as DataComp reads Flickr and MSCOCO
+    (``nlphuji/*_image_text_retrieval``): each row's ``image`` (its file, found again if the cache moved)
+    and its ``caption`` list, in the split's order."""
+    from .hf_cache import read_arrow_rows, remap_cached_path
+
+    samples = []
+    for number, row in enumerate(read_arrow_rows(files)):
+        image, captions = row.get("image"), row.get("caption")
+        path = image.get("path") if isinstance(image, dict) else None
+        if not path or not captions or not isinstance(captions, list):
+            raise ValueError(
+                f"{files[0]}: row {number} needs an image file and a caption list (the nlphuji retrieval "
+                "splits' 'image' and 'caption'); images stored as bytes are not read"
+            )
+        samples.append(StoredSample(str(remap_cached_path(path, hf_cache)), captions=tuple(captions)))
+    if not samples:
+        raise ValueError(f"{files[0]}: the split has no row")
+    return RetrievalSet(name, samples, every_line=True)
 
 
 def read_pair_shards(sources: str | list[str], name: str = "retrieval") -> RetrievalSet:
