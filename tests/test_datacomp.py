@@ -340,3 +340,55 @@ def test_a_folder_without_nshards_is_refused_before_any_task_runs(tmp_path):
             batch_size=4, device="cpu",
         )  # fmt: skip
     assert model.seen_training == []  # nothing was encoded
+
+
+class AutocastRecordingModel(FakeModel):
+    """Records, per call, which tower ran and whether autocast was on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, bool]] = []
+
+    def encode_image(self, images):
+        self.calls.append(("image", torch.is_autocast_enabled("cpu")))
+        return super().encode_image(images)
+
+    def encode_text(self, tokens):
+        self.calls.append(("text", torch.is_autocast_enabled("cpu")))
+        return super().encode_text(tokens)
+
+
+def test_datacomp_precision_autocasts_the_stages_datacomp_autocasts(tmp_path, monkeypatch):
+    """fp16 on a GPU only; where it applies: the classifier's prompts (not the images), both retrieval
+    towers and both WinoGAViL towers. Checked on a CPU with bf16 standing for the GPU's fp16."""
+    from hf_cache_sets import write_winogavil_cache
+    from test_winogavil import make_instances
+
+    from eva_fastclip.evaluation import datacomp
+
+    assert datacomp.datacomp_autocast("datacomp", "cuda") == torch.float16
+    assert datacomp.datacomp_autocast("datacomp", "cpu") is None
+    assert datacomp.datacomp_autocast("fp32", "cuda:1") is None
+    with pytest.raises(ValueError, match="precision must be one of fp32, datacomp"):
+        evaluate_datacomp(FakeModel(), tokenize=fake_tokenize, preprocess=vector_preprocess,
+                          datasets_root=tmp_path, batch_size=4, device="cpu", precision="fp16")  # fmt: skip
+
+    rng = np.random.default_rng(4)
+    CAPTIONS.clear()
+    write_classification_folder(tmp_path / "wds_cifar10_test", *classification_task(rng, 4), CLASSNAMES)
+    write_retrieval_folder(tmp_path / "wds_flickr30k", *retrieval_task(rng, "Flickr", 3))
+    write_winogavil_cache(tmp_path / "hf_cache", make_instances()[:2])
+    monkeypatch.setattr(datacomp, "datacomp_autocast", lambda precision, device: torch.bfloat16)
+    model = AutocastRecordingModel()
+    results = evaluate_datacomp(
+        model, tokenize=fake_tokenize, preprocess=vector_preprocess, datasets_root=tmp_path, batch_size=4,
+        device="cpu", precision="datacomp",
+    )  # fmt: skip
+    assert [row["name"] for row in results["tasks"]] == ["CIFAR-10", "Flickr", "WinoGAViL"]
+    assert results["precision"] == "datacomp"
+    classifier_and_images = 6 + 1  # 6 classes' prompts, then one batch of 4 images
+    flickr = 1 + 1  # one batch: its images, then its captions
+    cifar, rest = model.calls[:classifier_and_images], model.calls[classifier_and_images:]
+    assert cifar == [("text", True)] * 6 + [("image", False)]
+    assert rest[:flickr] == [("image", True), ("text", True)]
+    assert rest[flickr:] == [("image", True), ("text", True)] * 2  # WinoGAViL, per instance

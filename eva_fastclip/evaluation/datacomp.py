@@ -210,8 +210,7 @@ def evaluate_datacomp(
         )
     # a folder clip_benchmark cannot read stops the run here, before hours of other tasks
     run_everywhere(collectives, device, lambda: _check_layouts(found))
-    # DataComp's torch.cuda.amp.autocast: fp16 on a GPU, nothing elsewhere
-    fp16 = torch.float16 if precision == "datacomp" and torch.device(device).type == "cuda" else None
+    fp16 = datacomp_autocast(precision, device)
     common = dict(device=device, workers=workers, collectives=collectives, progress=progress)
     rows = []
     for task, folder in found.items():
@@ -247,6 +246,12 @@ def evaluate_datacomp(
         "missing": [task.key for task in missing],
         "averages": averages(rows),
     }
+
+
+def datacomp_autocast(precision: str, device: torch.device | str) -> torch.dtype | None:
+    """The autocast of the stages DataComp runs under ``torch.cuda.amp.autocast``: fp16 on a GPU with
+    ``precision="datacomp"``; None (float32) otherwise, as that autocast does nothing off a GPU."""
+    return torch.float16 if precision == "datacomp" and torch.device(device).type == "cuda" else None
 
 
 def _retrieval(model, tokenize, evalset: RetrievalSet, **loading) -> dict[str, Any]:
