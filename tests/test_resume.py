@@ -2,10 +2,11 @@
 resumes on another number of ranks through DeepSpeed's universal checkpoint; the data stream, the lr
 schedule and gamma's horizon continue as the run would have.
 
-The launcher tests share eleven launches (module fixtures), tiny model, fp32 on CPU, 2 loader workers per
-rank: per layout (1 rank, 2 ranks, 2 ranks with ``train.contrastive_batch=global``) an uninterrupted run, a
-run killed right after its step-3 checkpoint and its resume; and the step-3 checkpoints of the first two's
-killed runs resumed on the other number of ranks.
+The launcher tests share nine launches (module fixtures), tiny model, fp32 on CPU, 2 loader workers per
+rank: per layout (1 rank; 2 ranks with ``train.contrastive_batch=global``) an uninterrupted run, a run
+killed right after its step-3 checkpoint and its resume; an uninterrupted run on 2 ranks with the micro
+contrastive batch; and the step-3 checkpoints of the 1-rank killed run and of that 2-rank run resumed on
+the other number of ranks.
 """
 
 import json
@@ -530,12 +531,15 @@ def data(tmp_path_factory):
 #: the runs' layouts: number of ranks -> (ranks, micro-batch, extra settings); "2-global": 2 ranks x 2
 #: micro-batches of 4 with the contrastive batch of the whole step (a cached step)
 LAYOUTS = {1: (1, MICRO, ()), 2: (2, MICRO, ()), "2-global": (2, 4, ("train.contrastive_batch=global",))}
+#: the layouts killed and resumed; layout 2 only runs uninterrupted, its step-3 checkpoint (the same
+#: files a killed run leaves: the save precedes the kill) resumed on 1 rank below
+KILLED = (1, "2-global")
 
 
 @pytest.fixture(scope="module")
 def runs(data, tmp_path_factory):
-    """Per layout: an uninterrupted run, a run killed right after its step-3 checkpoint, and that run
-    resumed with --resume latest."""
+    """Per layout: an uninterrupted run; for the KILLED layouts also a run killed right after its step-3
+    checkpoint, and that run resumed with --resume latest."""
     result = {}
     for name, (ranks, micro, extra) in LAYOUTS.items():
         tmp = tmp_path_factory.mktemp(f"resume_{name}ranks")
@@ -544,6 +548,11 @@ def runs(data, tmp_path_factory):
             return run_args(data, out, ranks, extra=extra, micro=micro)
 
         whole = launch(ranks, args(tmp / "whole"), tmp / "whole.log")
+        if name not in KILLED:
+            step3 = tmp / "step3" / checkpoint.tag_for_step(KILL_AFTER)
+            shutil.copytree(tmp / "whole" / "checkpoints" / step3.name, step3)
+            result[name] = {"tmp": tmp, "logs": (whole,), "step3": step3}
+            continue
         marker = tmp / "killed" / "checkpoints" / checkpoint.tag_for_step(KILL_AFTER) / checkpoint.MARKER
         launch(ranks, args(tmp / "killed"), tmp / "killed.log", kill_once=marker)
         killed_log = step_log(tmp / "killed")
@@ -582,7 +591,7 @@ def converted(runs, data):
 
 
 @pytest.mark.launcher
-@pytest.mark.parametrize("ranks", list(LAYOUTS))
+@pytest.mark.parametrize("ranks", KILLED)
 def test_a_killed_run_resumes_exactly(runs, ranks):
     tmp = runs[ranks]["tmp"]
     assert f"resumed from {tmp / 'killed' / 'checkpoints'}" in runs[ranks]["logs"][1]
