@@ -148,6 +148,11 @@ def test_a_moved_cache_and_the_csv_give_the_same_instances(tmp_path):
     moved = tmp_path / "moved" / "hf_cache"
     moved.parent.mkdir()
     shutil.move(first, moved)  # the Arrow file's image paths name the first place, gone now
+    prepared = next(moved.glob("nlphuji___winogavil/*/*/*"))
+    unfinished = prepared.with_name("0" * 64 + ".incomplete")  # a preparation killed half-way
+    unfinished.mkdir()
+    (unfinished / "winogavil-test.arrow").write_bytes(b"half an Arrow stream")
+    (unfinished / "dataset_info.json").write_text("{}")  # written before the rename that did not come
     from_arrow = read_winogavil(moved)
     assert all(str(path).startswith(str(moved)) for i in from_arrow for path in i.images)
     assert find_winogavil(moved).name == "winogavil-test.arrow"

@@ -34,10 +34,12 @@ _CACHED_PART = re.compile(r"(?:^|[/\\])(downloads[/\\].*)$")
 def prepared_split(hf_cache: str | os.PathLike, repo: str, split: str = "test") -> list[Path] | None:
     """The Arrow file(s) of ``repo``'s ``split`` under ``hf_cache``, in shard order, or None when the split
     was never prepared there. With several prepared copies (another config, version or script hash), the
-    complete ones (with ``dataset_info.json``) first, then the newest."""
+    complete ones (with ``dataset_info.json``) first, then the newest; an unfinished preparation's
+    ``.incomplete`` folder never."""
     namespace, _, name = repo.rpartition("/")
     folder = Path(hf_cache) / (f"{namespace}___{name}" if namespace else name)
-    copies = [path for path in folder.glob("*/*/*") if path.is_dir()]
+    # a preparation writes into "<hash>.incomplete" and renames it when done: one killed leaves it behind
+    copies = [path for path in folder.glob("*/*/*") if path.is_dir() and path.suffix != ".incomplete"]
     pattern = re.compile(rf"{re.escape(name)}-{re.escape(split)}(-\d{{5}}-of-\d{{5}})?\.arrow")
     candidates = []
     for copy in copies:
@@ -46,7 +48,7 @@ def prepared_split(hf_cache: str | os.PathLike, repo: str, split: str = "test") 
             candidates.append(((copy / "dataset_info.json").is_file(), copy.stat().st_mtime, files))
     if not candidates:
         return None
-    complete, _, files = max(candidates, key=lambda candidate: candidate[:2])
+    _, _, files = max(candidates, key=lambda candidate: candidate[:2])
     return files
 
 
