@@ -565,7 +565,8 @@ def runs(data, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def converted(runs, data):
-    """The step-3 checkpoint of each killed run resumed on the other number of ranks, for 2 more steps."""
+    """The step-3 checkpoints of the 1-rank killed run and of the 2-rank run (micro contrastive batch,
+    uninterrupted) resumed on the other number of ranks, for 2 more steps."""
     result = {}
     for ranks, other in ((1, 2), (2, 1)):
         out = runs[ranks]["tmp"] / f"from_{other}_ranks"

@@ -144,7 +144,8 @@ def test_the_prompt_is_datacomps():
 def test_a_moved_cache_and_the_csv_give_the_same_instances(tmp_path):
     CAPTIONS.clear()
     instances = make_instances(1)
-    first = write_winogavil_cache(tmp_path / "first" / "hf_cache", instances)
+    # the first place's own path holds a "downloads" too: the cache's part is found all the same
+    first = write_winogavil_cache(tmp_path / "downloads" / "first" / "hf_cache", instances)
     moved = tmp_path / "moved" / "hf_cache"
     moved.parent.mkdir()
     shutil.move(first, moved)  # the Arrow file's image paths name the first place, gone now

@@ -347,15 +347,24 @@ def _group_column(predictions: Any) -> torch.Tensor:
 
 def _found_on_every_rank(root: str | os.PathLike, collectives: Collectives, device) -> dict[Task, Path]:
     """The task folders under ``root``, checked to be the same on every rank (each rank reads its own
-    share of every task: a task only some ranks see would leave the others waiting)."""
+    share of every task: a task only some ranks see would leave the others waiting, and a task read
+    from another source on another rank would mix two sample lists)."""
     found = run_everywhere(collectives, device, lambda: find_task_folders(root)[0])
-    mine = torch.tensor([[task in found for task in TASKS]], dtype=torch.int64, device=device)
+    mine = torch.tensor([[_source_kind(found.get(task)) for task in TASKS]], dtype=torch.int64, device=device)
     everyone = collectives.gather(mine)
     if not bool((everyone == everyone[0]).all()):
         raise ValueError(
-            f"{root}: the ranks see different task folders; give every rank the same datasets root"
+            f"{root}: the ranks see different task folders (or read a task from different sources); give "
+            "every rank the same datasets root"
         )
     return found
+
+
+def _source_kind(source: Path | None) -> int:
+    """0: not found; 1: a webdataset folder; 2: a prepared Hugging Face split; 3: a downloaded CSV."""
+    if source is None:
+        return 0
+    return 1 if source.is_dir() else 2 if source.suffix == ".arrow" else 3
 
 
 def _check_layouts(found: dict[Task, Path]) -> None:

@@ -27,8 +27,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-#: the part of a stored path from which it is found again under another cache folder
-_CACHED_PART = re.compile(r"(?:^|[/\\])(downloads[/\\].*)$")
+#: the part of a stored path from which it is found again under another cache folder: from an unpacked
+#: archive's folder on (the old cache's own path may hold a "downloads" too), else from the last "downloads"
+_EXTRACTED_PART = re.compile(r"(?:^|[/\\])(downloads[/\\]extracted[/\\][0-9a-f]{64}[/\\].*)$")
+_CACHED_PART = re.compile(r".*(?:^|[/\\])(downloads[/\\].*)$")
 
 
 def prepared_split(hf_cache: str | os.PathLike, repo: str, split: str = "test") -> list[Path] | None:
@@ -85,7 +87,7 @@ def remap_cached_path(stored: str, hf_cache: str | os.PathLike) -> Path:
     """Where a path stored in a prepared split is now: its part from ``downloads/`` on, under ``hf_cache``
     (the cache may have moved or been copied since it was written), else the path as stored.
     FileNotFoundError naming both when neither exists."""
-    match = _CACHED_PART.search(stored)
+    match = _EXTRACTED_PART.search(stored) or _CACHED_PART.match(stored)
     here = Path(hf_cache) / match.group(1).replace("\\", "/") if match else None
     if here is not None and here.exists():
         return here

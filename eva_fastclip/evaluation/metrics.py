@@ -11,11 +11,13 @@ every tied item ahead, say) scores a model with tied scores differently from the
   mean per-class recall, F1 and WILDS' worst groups from the arg-max class, as DataComp's evaluators.
 - Retrieval (``retrieval_recall``): the scores are ``texts @ images.T`` on the CPU; each k is its own
   ``topk(k)`` over batches of rows on the evaluation device, text->image over the rows of that matrix and
-  image->text over the rows of its transpose, as ``clip_benchmark.metrics.zeroshot_retrieval``.
+  image->text over the rows of its transpose, and each recall the hits' float32 mean, as
+  ``clip_benchmark.metrics.zeroshot_retrieval``.
 
 The classification metrics DataComp scores tasks by (``classification_metrics``, ``worst_group``) are
-computed as DataComp's evaluation computes them: sklearn's balanced accuracy and macro F1 over the labels
-present, WILDS' worst group (the lowest accuracy over the groups that have samples).
+computed as DataComp's evaluation computes them: top-k accuracies as exact fractions, sklearn's balanced
+accuracy and macro F1 over the labels present, WILDS' worst group (the lowest float32 accuracy over the
+groups that have samples).
 """
 
 from __future__ import annotations
@@ -84,9 +86,11 @@ def macro_f1(labels: Tensor, predicted: Tensor) -> float:
 
 
 def worst_group(hits: Tensor, groups: Tensor) -> float:
-    """The lowest mean of ``hits`` over the groups that have samples (WILDS' "worst-group" metric)."""
-    hits, groups = hits.double(), groups.long()
-    return min(float(hits[groups == g].mean()) for g in torch.unique(groups))
+    """The lowest mean of ``hits`` over the groups that have samples (WILDS' "worst-group" metric), each
+    mean in float32 as DataComp's ``_avg_over_groups`` takes it (a float32 sum over a float32 count)."""
+    hits, groups = hits.float(), groups.long()
+    means = [hits[groups == g].sum() / (groups == g).sum().float() for g in torch.unique(groups)]
+    return float(min(means))
 
 
 def retrieval_recall(
@@ -118,13 +122,14 @@ def retrieval_recall(
 
     scores = texts @ images.T  # [N_txt, N_img], clip_benchmark's orientation
     metrics = {}
+    # each recall is the hits' float32 mean, as clip_benchmark reports it (``.float().mean().item()``)
     for k in ks:
         # image->text: row i of scores.T is image i; a hit when one of its own captions is in its top k
         hits = _topk_hits(scores.T, k, batch_size, device, lambda rows, top: text_to_image[top] == rows)
-        metrics[f"image_to_text_R@{k}"] = int(hits.sum()) / num_images
+        metrics[f"image_to_text_R@{k}"] = hits.float().mean().item()
     for k in ks:
         hits = _topk_hits(scores, k, batch_size, device, lambda rows, top: top == text_to_image[rows])
-        metrics[f"text_to_image_R@{k}"] = int(hits.sum()) / num_texts
+        metrics[f"text_to_image_R@{k}"] = hits.float().mean().item()
     return metrics
 
 
