@@ -46,7 +46,8 @@ def datacomp_loop(similarities: list[np.ndarray], truths: list[np.ndarray]) -> t
     """DataComp's ``evaluate_winogavil_dataset`` loop (mlfoundations/datacomp eval_utils/wino_eval.py at
     4a8df19) written out, from each instance's similarities on. Its ``np.argsort`` is numpy 1.23's (pinned),
     which sorts these few elements by insertion, stably: ``kind="stable"`` here, as numpy 2's default
-    vectorised sort is not stable (checked against DataComp's loop under numpy 1.23.5: docs/evaluation.md)."""
+    vectorised sort is not stable (checked against DataComp's loop under numpy 1.23.5:
+    tests/crosscheck_winogavil_numpy123.py)."""
     all_groups, all_scores = [], []
     for image_logits, y_true in zip(similarities, truths):
         n_images, n_assoc = len(image_logits), y_true.sum()
