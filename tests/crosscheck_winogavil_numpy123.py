@@ -2,8 +2,8 @@
 second interpreter). DataComp scores an instance with ``np.argsort(similarities)[-k:]`` under numpy
 1.23.5 and scikit-learn 1.1.3 (its requirements.txt); numpy 2's default argsort is not stable, so
 eva_fastclip sorts with ``kind="stable"``, which is what numpy 1.23 does for these few elements. This
-runs DataComp's loop (eval_utils/wino_eval.py at 4a8df19, written out in ``pinned_side`` with numpy's
-*default* sort) in an interpreter with those pins, on tie-heavy fp16 similarities, and compares every
+runs DataComp's loop (eval_utils/wino_eval.py at 4a8df19, written out in ``datacomp_loop``, here with
+numpy's *default* sort) in an interpreter with those pins, on tie-heavy fp16 similarities, and compares every
 score and metric with ``eva_fastclip.evaluation.winogavil``'s::
 
     python3 -m venv /tmp/np123 && /tmp/np123/bin/pip install numpy==1.23.5 scikit-learn==1.1.3
@@ -21,31 +21,42 @@ import tempfile
 from pathlib import Path
 
 
-def pinned_side(instances_file: str, out_file: str) -> None:
-    """DataComp's loop, run by the pinned interpreter: numpy's default argsort, sklearn's Jaccard."""
+def datacomp_loop(similarities, truths, argsort_kind: str | None = None) -> tuple[list[float], dict]:
+    """DataComp's ``evaluate_winogavil_dataset`` loop (mlfoundations/datacomp eval_utils/wino_eval.py at
+    4a8df19) written out, from each instance's similarities on: ``np.argsort`` of ``argsort_kind`` (None:
+    numpy's default, as DataComp calls it), sklearn's Jaccard (0 where both sets are empty, as its default
+    "warn" gives), the group means. numpy and sklearn only: the pinned interpreter runs it too."""
     import numpy as np
     from sklearn.metrics import jaccard_score
 
     all_groups, all_scores = [], []
-    for instance in json.loads(Path(instances_file).read_text()):
-        image_logits = np.array(instance["similarities"], dtype=np.float16)
-        y_true = np.array(instance["truth"], dtype=bool)
+    for image_logits, y_true in zip(similarities, truths):
         n_images, n_assoc = len(image_logits), y_true.sum()
-        topk_indices = np.argsort(image_logits)[-n_assoc:]
+        topk_indices = np.argsort(image_logits, kind=argsort_kind)[-n_assoc:]
         y_pred = np.isin(np.arange(n_images), topk_indices)
-        all_scores.append(jaccard_score(y_true, y_pred))
+        all_scores.append(jaccard_score(y_true, y_pred, zero_division=0.0))
         all_groups.append(n_images)
-    groups, scores = np.array(all_groups), np.array(all_scores)
-    metrics = {
-        "avg_jaccard_score": scores.mean(),
-        "jaccard_score_5": scores[groups == 5].mean(),
-        "jaccard_score_6": scores[groups == 6].mean(),
-        "jaccard_score_10": scores[groups == 10].mean(),
-        "jaccard_score_12": scores[groups == 12].mean(),
-        "jaccard_score_5-6": scores[groups <= 6].mean(),
-        "jaccard_score_10-12": scores[groups >= 10].mean(),
+    all_groups, all_scores = np.array(all_groups), np.array(all_scores)
+    return all_scores.tolist(), {
+        "avg_jaccard_score": all_scores.mean(),
+        "jaccard_score_5": all_scores[all_groups == 5].mean(),
+        "jaccard_score_6": all_scores[all_groups == 6].mean(),
+        "jaccard_score_10": all_scores[all_groups == 10].mean(),
+        "jaccard_score_12": all_scores[all_groups == 12].mean(),
+        "jaccard_score_5-6": all_scores[all_groups <= 6].mean(),
+        "jaccard_score_10-12": all_scores[all_groups >= 10].mean(),
     }
-    out = {"numpy": np.__version__, "scores": scores.tolist(), "metrics": metrics}
+
+
+def pinned_side(instances_file: str, out_file: str) -> None:
+    """DataComp's loop, run by the pinned interpreter with numpy's default argsort."""
+    import numpy as np
+
+    instances = json.loads(Path(instances_file).read_text())
+    similarities = [np.array(instance["similarities"], dtype=np.float16) for instance in instances]
+    truths = [np.array(instance["truth"], dtype=bool) for instance in instances]
+    scores, metrics = datacomp_loop(similarities, truths)
+    out = {"numpy": np.__version__, "scores": scores, "metrics": metrics}
     Path(out_file).write_text(json.dumps(out))
 
 

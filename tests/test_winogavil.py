@@ -4,11 +4,11 @@ DataComp's scoring loop written out here, on 1 rank and on 3."""
 
 import shutil
 
+import crosscheck_winogavil_numpy123 as crosscheck
 import numpy as np
 import pytest
 from eval_sets import CAPTIONS, DIM, FakeModel, fake_tokenize, vector_preprocess
 from hf_cache_sets import write_winogavil_cache
-from sklearn.metrics import jaccard_score
 
 from eva_fastclip.evaluation.winogavil import (
     cue_prompt,
@@ -43,28 +43,10 @@ def make_instances(seed: int = 0) -> list[dict]:
 
 
 def datacomp_loop(similarities: list[np.ndarray], truths: list[np.ndarray]) -> tuple[list[float], dict]:
-    """DataComp's ``evaluate_winogavil_dataset`` loop (mlfoundations/datacomp eval_utils/wino_eval.py at
-    4a8df19) written out, from each instance's similarities on. Its ``np.argsort`` is numpy 1.23's (pinned),
-    which sorts these few elements by insertion, stably: ``kind="stable"`` here, as numpy 2's default
-    vectorised sort is not stable (checked against DataComp's loop under numpy 1.23.5:
-    tests/crosscheck_winogavil_numpy123.py)."""
-    all_groups, all_scores = [], []
-    for image_logits, y_true in zip(similarities, truths):
-        n_images, n_assoc = len(image_logits), y_true.sum()
-        topk_indices = np.argsort(image_logits, kind="stable")[-n_assoc:]
-        y_pred = np.isin(np.arange(n_images), topk_indices)
-        all_scores.append(jaccard_score(y_true, y_pred, zero_division=0.0))
-        all_groups.append(n_images)
-    all_groups, all_scores = np.array(all_groups), np.array(all_scores)
-    return all_scores.tolist(), {
-        "avg_jaccard_score": all_scores.mean(),
-        "jaccard_score_5": all_scores[all_groups == 5].mean(),
-        "jaccard_score_6": all_scores[all_groups == 6].mean(),
-        "jaccard_score_10": all_scores[all_groups == 10].mean(),
-        "jaccard_score_12": all_scores[all_groups == 12].mean(),
-        "jaccard_score_5-6": all_scores[all_groups <= 6].mean(),
-        "jaccard_score_10-12": all_scores[all_groups >= 10].mean(),
-    }
+    """DataComp's loop written out (crosscheck_winogavil_numpy123.datacomp_loop). Its ``np.argsort`` is
+    numpy 1.23's (pinned), which sorts these few elements by insertion, stably: ``kind="stable"`` here, as
+    numpy 2's default vectorised sort is not stable (that script checks the loop under numpy 1.23.5)."""
+    return crosscheck.datacomp_loop(similarities, truths, argsort_kind="stable")
 
 
 def similarities_and_truths(instances: list[dict]) -> tuple[list[np.ndarray], list[np.ndarray]]:

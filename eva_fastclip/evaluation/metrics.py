@@ -64,10 +64,9 @@ def classification_metrics(
     n = len(labels)
     if n == 0:
         raise ValueError("no sample to score")
-    correct = top == labels[:, None]
-    metrics = {"top1": int(correct[:, 0].sum()) / n}
+    metrics = {"top1": int((top[:, 0] == labels).sum()) / n}
     if num_classes >= TOP_K:
-        metrics["top5"] = int(correct[:, :TOP_K].any(dim=1).sum()) / n
+        metrics["top5"] = int(top5_hits(labels, top).sum()) / n
     metrics["mean_per_class_recall"] = float(balanced_accuracy_score(labels.numpy(), predicted.numpy()))
     return {**metrics, "num_samples": n}
 

@@ -140,16 +140,21 @@ def share_loader(
     """This rank's batches as ``(sample numbers, images, targets)``; a batch whose every sample failed
     has images None."""
     batches = own_batches(len(dataset), batch_size, rank, world_size)
-    if not batches:
+    return worker_loader(dataset, len(batches), workers, batch_sampler=batches, collate_fn=_collate)
+
+
+def worker_loader(dataset: Dataset, count: int, workers: int, **loading: Any) -> Iterator[Any]:
+    """``DataLoader(dataset, **loading)``, which yields ``count`` items, read by up to ``workers`` workers
+    (no more than it has items); nothing to read: an empty iterator."""
+    if not count:
         return iter(())
-    workers = min(workers, len(batches))
+    workers = min(workers, count)
     loader = DataLoader(
         dataset,
-        batch_sampler=batches,
-        collate_fn=_collate,
         num_workers=workers,
         # not forked from the rank, whose loader threads may be exiting (data/workers.py)
         multiprocessing_context=worker_context() if workers else None,
         worker_init_fn=ignore_stop_signals,  # a stop request is honoured after the evaluation
+        **loading,
     )
     return iter(loader)

@@ -38,14 +38,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 from tqdm import tqdm
-
-from eva_fastclip.data.workers import ignore_stop_signals, worker_context
 
 from .collectives import Collectives, SingleRank, gather_rows, run_everywhere
 from .hf_cache import cached_downloads, prepared_split, read_arrow_rows, remap_cached_path
-from .samples import IMAGE_EXTENSIONS, decode_image
+from .samples import IMAGE_EXTENSIONS, decode_image, worker_loader
 from .zeroshot import _autocast, _eval_mode, _input_dtype
 
 REPO = "nlphuji/winogavil"
@@ -219,19 +217,7 @@ class _InstanceImages(Dataset):
 
 def _instance_loader(instances, own: list[int], preprocess, workers: int):
     dataset = _InstanceImages(instances, preprocess)
-    if not own:
-        return iter(())
-    workers = min(workers, len(own))
-    return iter(
-        DataLoader(
-            dataset,
-            sampler=own,
-            batch_size=None,  # an instance is a batch
-            num_workers=workers,
-            multiprocessing_context=worker_context() if workers else None,
-            worker_init_fn=ignore_stop_signals,
-        )
-    )
+    return worker_loader(dataset, len(own), workers, sampler=own, batch_size=None)  # an instance a batch
 
 
 def _image_source(image: Any, hf_cache: Path) -> ImageSource:
