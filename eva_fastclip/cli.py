@@ -12,7 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from eva_fastclip.config import ConfigError, batch_layout, load_config
+from eva_fastclip.config import ConfigError, load_config
+from eva_fastclip.plan.layout import batch_layout
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,9 +282,13 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args) -> int:
-    from eva_fastclip.engine import preflight
-    from eva_fastclip.engine.precision import detect_hardware
-    from eva_fastclip.engine.setup import load_deepspeed_config, resolve_deepspeed_config, resolve_precision
+    from eva_fastclip.plan import preflight
+    from eva_fastclip.plan.deepspeed_json import (
+        load_deepspeed_config,
+        resolve_deepspeed_config,
+        resolve_precision,
+    )
+    from eva_fastclip.plan.precision import detect_hardware
 
     cfg = load_config(args.config, args.overrides)
     ds = load_deepspeed_config(cfg.train.deepspeed_config)
@@ -312,13 +317,13 @@ def cmd_train(args) -> int:
     preflight.raise_for_errors(report.problems, log_warnings=False)  # the Trainer logs the warnings
     if args.dry_run:
         return 0
-    from eva_fastclip.engine.checkpoint import CheckpointWriteError
-    from eva_fastclip.engine.preemption import PREEMPTED_EXIT_CODE, Preempted, outlive_closed_output
+    from eva_fastclip.checkpointing.checkpoint import CheckpointWriteError
     from eva_fastclip.engine.trainer import NonFiniteSteps, Trainer
-    from eva_fastclip.engine.watchdog import Watchdog
+    from eva_fastclip.reliability.preemption import PREEMPTED_EXIT_CODE, Preempted, outlive_closed_output
+    from eva_fastclip.reliability.watchdog import Watchdog
 
     flight_recorder = Path(cfg.train.output_dir) / "flight_recorder"
-    outlive_closed_output()  # a stop on several nodes closes the output first (engine/preemption.py)
+    outlive_closed_output()  # a stop on several nodes closes the output first (reliability/preemption.py)
     try:
         with Watchdog(
             cfg.train.hang_timeout_s, cfg.train.hang_timeout_long_s, dump_dir=flight_recorder
@@ -341,8 +346,8 @@ def cmd_train(args) -> int:
 
 def cmd_tune(args) -> int:
     from eva_fastclip.config import config_from_raw, read_raw_config
-    from eva_fastclip.engine.setup import load_deepspeed_config
-    from eva_fastclip.engine.watchdog import Watchdog
+    from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
+    from eva_fastclip.reliability.watchdog import Watchdog
     from eva_fastclip.tune import TuneOptions, Tuner
     from eva_fastclip.tune.probe import DeviceUnusable
 
@@ -486,10 +491,10 @@ def cmd_toy_data(args) -> int:
 
 
 def cmd_bench_speed(args) -> int:
-    from eva_fastclip.bench import format_report, run_speed_benchmark
+    from benchmarks.speed import format_report, run_speed_benchmark
 
     if args.accumulate is not None:
-        from eva_fastclip.bench.accumulation import format_accumulation_report, run_accumulation_benchmark
+        from benchmarks.accumulation import format_accumulation_report, run_accumulation_benchmark
 
         results = run_accumulation_benchmark(
             model=args.model,
@@ -517,14 +522,14 @@ def cmd_bench_speed(args) -> int:
 
 
 def cmd_bench_loss(args) -> int:
-    from eva_fastclip.bench import loss_memory
+    from benchmarks import loss_memory
 
     argv = ["--dim", str(args.dim), "--output", args.output] + (["--quick"] if args.quick else [])
     return loss_memory.main(argv)
 
 
 def cmd_bench_lamb(args) -> int:
-    from eva_fastclip.bench.lamb_step import format_lamb_report, run_lamb_benchmark
+    from benchmarks.lamb_step import format_lamb_report, run_lamb_benchmark
 
     results = run_lamb_benchmark(
         width=args.width, layers=args.layers, rounds=args.rounds, device=args.device, output=args.output
@@ -537,7 +542,7 @@ def cmd_bench_lamb(args) -> int:
 def cmd_bench_convergence(args) -> int:
     import shlex
 
-    from eva_fastclip.bench.convergence import run_convergence_benchmark
+    from benchmarks.convergence import run_convergence_benchmark
 
     result = run_convergence_benchmark(
         output=Path(args.output),
@@ -564,7 +569,7 @@ def cmd_bench_convergence(args) -> int:
 def cmd_bench_data(args) -> int:
     import shlex
 
-    from eva_fastclip.bench.data_loader import format_data_report, run_data_benchmark
+    from benchmarks.data_loader import format_data_report, run_data_benchmark
 
     sizes = dict(
         shards=args.shards, per_shard=args.per_shard, batch_size=args.batch_size, repeats=args.repeats

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from eva_fastclip.engine import checkpoint
+from eva_fastclip.checkpointing import checkpoint
 from eva_fastclip.models import to_open_clip_state_dict
 
 STATE_DICT_SUFFIXES = (".pt", ".pth")

@@ -43,7 +43,7 @@ if [ "${BENCH_DATA:-1}" = 1 ]; then
   fi
 fi
 if [ "${BENCH_TUNE:-1}" = 1 ]; then
-  python3 -m eva_fastclip.bench.tune_estimate --models ViT-B-16 --micro 64 128 --stages 0 \
+  python3 -m benchmarks.tune_estimate --models ViT-B-16 --micro 64 128 --stages 0 \
     --output "$out/tune_estimate_gpu.json" > "$out/tune_estimate_gpu.log" 2>&1 || { tail -40 "$out/tune_estimate_gpu.log"; exit 1; }
   echo "== bench.tune_estimate (ViT-B-16)"; grep "^|\|worst" "$out/tune_estimate_gpu.log" | tail -8
   [ -d data/toy_gpu ] || python3 -m eva_fastclip toy-data --output data/toy_gpu --num-train 8192 > /dev/null
@@ -56,7 +56,7 @@ if [ "${BENCH_TUNE:-1}" = 1 ]; then
   python3 -m eva_fastclip train --config "$out/tuned_gpu.json" --set train.steps=200 --set train.save_every_steps=0 \
     > "$out/tuned_train_gpu.log" 2>&1 || { tail -40 "$out/tuned_train_gpu.log"; exit 1; }
   echo "== 200 steps of the tuned config"; tail -3 "$out/tuned_train_gpu.log"
-  python3 -m eva_fastclip.bench.tune_layouts --layout preset=configs/laion_vitb16_fastclip_v3.json \
+  python3 -m benchmarks.tune_layouts --layout preset=configs/laion_vitb16_fastclip_v3.json \
     --layout tuned="$out/tuned_gpu.json" --set 'data.train_shards=["data/toy_gpu/train"]' --set data.num_samples=null \
     --set data.index_size=null --set train.global_batch=1024 --set eval.imagenet_val=null \
     --output "$out/tune_layouts_gpu.json" > "$out/tune_layouts_gpu.log" 2>&1 || { tail -40 "$out/tune_layouts_gpu.log"; exit 1; }

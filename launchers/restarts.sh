@@ -1,5 +1,5 @@
 # Sourced by the launchers: with MAX_RESTARTS > 0, the array "restarts" runs deepspeed under the restart
-# supervisor (eva_fastclip/restarts.py: a failed run goes on with --resume latest, up to MAX_RESTARTS
+# supervisor (eva_fastclip/reliability/restarts.py: a failed run goes on with --resume latest, up to MAX_RESTARTS
 # times; lost hosts left out while MIN_NODES remain); otherwise it is empty and deepspeed runs as it is
 # (expanded as ${restarts[@]+"${restarts[@]}"}: an empty array is "unbound" under set -u before bash 4.4).
 restarts=()
@@ -9,5 +9,5 @@ if [ "${MAX_RESTARTS:-0}" != 0 ]; then
             "(MIN_NODES at least 1)" >&2
         exit 2
     fi
-    restarts=(python -m eva_fastclip.restarts --max-restarts "$MAX_RESTARTS" --min-nodes "${MIN_NODES:-1}" --)
+    restarts=(python -m eva_fastclip.reliability.restarts --max-restarts "$MAX_RESTARTS" --min-nodes "${MIN_NODES:-1}" --)
 fi

@@ -9,7 +9,7 @@ config=${1:?usage: single_node.sh CONFIG.json [eva-fastclip train options]}
 shift
 # MASTER_PORT: a free port unless set (a port in use stops here, naming it)
 source "$(dirname "$0")/master_port.sh"
-# MAX_RESTARTS: deepspeed runs under python -m eva_fastclip.restarts (docs/reliability.md)
+# MAX_RESTARTS: deepspeed runs under python -m eva_fastclip.reliability.restarts (docs/reliability.md)
 source "$(dirname "$0")/restarts.sh"
 
 if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then

@@ -14,8 +14,8 @@ import pytest
 import torch
 from PIL import Image
 
-from eva_fastclip.bench import convergence
-from eva_fastclip.bench.convergence import (
+from benchmarks import convergence
+from benchmarks.convergence import (
     MemoryLoader,
     RunSpec,
     load_results,

@@ -15,7 +15,7 @@ import open_clip
 import pytest
 from PIL import Image
 
-from eva_fastclip.bench import data_loader
+from benchmarks import data_loader
 from eva_fastclip.cli import main
 
 

@@ -1,8 +1,8 @@
 """The benchmarks run end to end on tiny inputs and report what docs/benchmarks.md shows. Their timings
 are never asserted (only ratios measured on a real machine mean anything); the exact byte counts are."""
 
-from eva_fastclip.bench import format_report, run_speed_benchmark
-from eva_fastclip.bench.loss_memory import expected_traffic, format_table, run_benchmark
+from benchmarks.loss_memory import expected_traffic, format_table, run_benchmark
+from benchmarks.speed import format_report, run_speed_benchmark
 
 
 def test_speed_benchmark_reports_all_contestants_and_phases(tmp_path):
@@ -33,7 +33,7 @@ def test_loss_benchmark_counts_the_documented_bytes_and_no_backward_traffic():
 
 
 def test_lamb_benchmark_times_both_trust_ratio_rules(tmp_path):
-    from eva_fastclip.bench.lamb_step import flat_groups, format_lamb_report, run_lamb_benchmark, vit_tensors
+    from benchmarks.lamb_step import flat_groups, format_lamb_report, run_lamb_benchmark, vit_tensors
 
     tensors = vit_tensors(width=32, layers=2)
     groups = flat_groups(tensors)
@@ -52,7 +52,7 @@ def test_accumulation_benchmark_runs_every_side_on_the_same_batch(tmp_path):
     accum_freq step, masks 0 and 0.5; step times, losses and peaks recorded, the ratios formed."""
     import math
 
-    from eva_fastclip.bench.accumulation import SIDES, format_accumulation_report, run_accumulation_benchmark
+    from benchmarks.accumulation import SIDES, format_accumulation_report, run_accumulation_benchmark
 
     results = run_accumulation_benchmark(
         model="test-vit-xs",

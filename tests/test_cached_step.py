@@ -335,8 +335,8 @@ def test_the_command_line_on_real_shards_takes_the_one_rank_step(tmp_path):
     from eva_fastclip.cli import main
     from eva_fastclip.config import load_config
     from eva_fastclip.data import write_toy_dataset
-    from eva_fastclip.engine.process import seed_everything
     from eva_fastclip.models import create_model
+    from eva_fastclip.reliability.process import seed_everything
 
     data = tmp_path / "toy"
     write_toy_dataset(data, num_train=64, num_val=16, num_zeroshot=20, samples_per_shard=32, seed=0)

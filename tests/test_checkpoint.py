@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from eva_fastclip.engine import checkpoint
+from eva_fastclip.checkpointing import checkpoint
 
 
 class FakeEngine:

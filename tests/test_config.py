@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from eva_fastclip.config import BatchLayout, ConfigError, ExperimentConfig, batch_layout, load_config
+from eva_fastclip.config import ConfigError, ExperimentConfig, load_config
+from eva_fastclip.plan.layout import BatchLayout, batch_layout
 
 
 def write(tmp_path, payload):
@@ -296,8 +297,8 @@ def test_dry_run_validates_for_a_world_size(capsys, tmp_path):
 def test_shipped_presets_validate(path, tmp_path):
     """Every preset loads and agrees with its DeepSpeed JSON (on a GPU machine, at 8 ranks). The weight
     files a preset names (EVA MIM, OpenAI CLIP) are stood in for by empty files: they are not shipped."""
-    from eva_fastclip.engine.precision import Hardware
-    from eva_fastclip.engine.setup import load_deepspeed_config, resolve_deepspeed_config
+    from eva_fastclip.plan.deepspeed_json import load_deepspeed_config, resolve_deepspeed_config
+    from eva_fastclip.plan.precision import Hardware
 
     model = json.loads(path.read_text()).get("model", {})
     overrides = []

@@ -17,8 +17,8 @@ from torchvision import transforms
 from eva_fastclip.config import load_config
 from eva_fastclip.data import TrainLoader, write_shard
 from eva_fastclip.data.tar_reader import SKIP_REASONS
-from eva_fastclip.engine.setup import load_deepspeed_config
 from eva_fastclip.engine.trainer import Trainer
+from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 
 PREPROCESS = transforms.Compose([transforms.Resize((8, 8)), transforms.ToTensor()])
 INDEX_SIZE = 24

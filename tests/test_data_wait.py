@@ -1,5 +1,5 @@
-"""The trainer's measure of the time steps wait on data (engine/data_wait.py): exact window metrics on a fake
-clock, the workers-needed formula against the rates it comes from, the warning's cadence; and a real
+"""The trainer's measure of the time steps wait on data (reliability/data_wait.py): exact window metrics on a
+fake clock, the workers-needed formula against the rates it comes from, the warning's cadence; and a real
 (one-rank, in-process) run with a loader that sleeps per batch and one that does not."""
 
 import logging
@@ -10,7 +10,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from eva_fastclip.engine.data_wait import (
+from eva_fastclip.reliability.data_wait import (
     WARN_AGAIN_AFTER_S,
     DataWait,
     Window,
@@ -192,8 +192,8 @@ def perf_scalars(output_dir):
 @pytest.mark.parametrize("sleep", [SLEEP, 0.0])
 def test_a_run_measures_its_wait_on_data(tmp_path, caplog, sleep):
     from eva_fastclip.config import load_config
-    from eva_fastclip.engine.setup import load_deepspeed_config
     from eva_fastclip.engine.trainer import Trainer
+    from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 
     cfg = load_config(
         "configs/toy.json",

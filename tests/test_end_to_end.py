@@ -17,11 +17,11 @@ import torch
 from launching import free_port, launcher_env
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from eva_fastclip.checkpointing import checkpoint
 from eva_fastclip.cli import main
 from eva_fastclip.data import write_toy_dataset
-from eva_fastclip.engine import checkpoint
-from eva_fastclip.engine.setup import WarmupCosine
 from eva_fastclip.export import export_open_clip
+from eva_fastclip.optim.schedule import WarmupCosine
 
 pytestmark = pytest.mark.launcher
 

@@ -5,17 +5,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from eva_fastclip.config import BatchLayout, ConfigError, OptimConfig, load_config
-from eva_fastclip.engine.precision import FP16_DEFAULTS, Hardware
-from eva_fastclip.engine.setup import (
+from eva_fastclip.config import ConfigError, OptimConfig, load_config
+from eva_fastclip.optim.optimizer import build_optimizer
+from eva_fastclip.optim.param_groups import parameter_groups
+from eva_fastclip.optim.schedule import build_scheduler
+from eva_fastclip.plan.deepspeed_json import (
     autocast_dtype,
-    build_optimizer,
-    build_scheduler,
     load_deepspeed_config,
     resolve_deepspeed_config,
     resolve_precision,
 )
-from eva_fastclip.models import parameter_groups
+from eva_fastclip.plan.layout import BatchLayout
+from eva_fastclip.plan.precision import FP16_DEFAULTS, Hardware
 
 DS_CONFIGS = sorted((Path(__file__).parents[1] / "ds_configs").glob("*.json"))
 
@@ -107,7 +108,7 @@ def test_unknown_precision_is_refused_at_load():
 
 
 def test_cpu_bf16_detection_honours_the_kernel_caps(monkeypatch):
-    from eva_fastclip.engine import precision
+    from eva_fastclip.plan import precision
 
     monkeypatch.setattr(precision, "_cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
@@ -225,7 +226,7 @@ def test_schedule_warms_up_linearly_then_decays_by_cosine():
 
 ALLOCATE_AND_REPORT = """
 import ctypes, sys, torch
-from eva_fastclip.engine.process import keep_freed_host_memory
+from eva_fastclip.reliability.process import keep_freed_host_memory
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in (
@@ -274,7 +275,7 @@ def test_large_blocks_come_from_the_heap_not_fresh_mmaps():
 def _agree_on_hardware(rank, port, out_dir):
     import torch.distributed as dist
 
-    from eva_fastclip.engine.precision import common_hardware
+    from eva_fastclip.plan.precision import common_hardware
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     mine = Hardware(cuda=False, native_bf16=rank == 0, description=f"CPU of rank {rank}")
@@ -300,7 +301,7 @@ def test_ranks_on_different_cpus_agree_on_one_precision(tmp_path):
 
 def test_batchnorm_towers_train_in_bf16(tmp_path):
     """DeepSpeed casts parameters, not buffers: BatchNorm's running statistics follow its weights."""
-    from eva_fastclip.bench.speed import bench_trainer, synthetic_batch
+    from benchmarks.speed import bench_trainer, synthetic_batch
 
     batch = synthetic_batch(4, (32, 32), 16, 49408)
     trainer = bench_trainer(

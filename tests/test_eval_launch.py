@@ -15,7 +15,6 @@ from test_resume import SixBatches, launch
 from eva_fastclip.config import load_config
 from eva_fastclip.data import write_toy_dataset
 from eva_fastclip.engine.evaluate import evaluate_model
-from eva_fastclip.engine.setup import load_deepspeed_config
 from eva_fastclip.engine.trainer import Trainer
 from eva_fastclip.evaluation import (
     build_zeroshot_classifier,
@@ -25,6 +24,7 @@ from eva_fastclip.evaluation import (
 )
 from eva_fastclip.export import consolidated_state_dict, export_open_clip
 from eva_fastclip.models import create_model
+from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 
 WNIDS = ("n01440764", "n01443537", "n15075141")  # tench, goldfish, toilet paper: 3 of the 1000 classes
 

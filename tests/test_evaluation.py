@@ -517,7 +517,7 @@ def test_k_ranks_give_one_ranks_retrieval_exactly(tmp_path):
 
 def test_a_wrong_imagenet_folder_stops_the_run_before_step_1(tmp_path):
     from eva_fastclip.config import load_config
-    from eva_fastclip.engine import preflight
+    from eva_fastclip.plan import preflight
 
     (tmp_path / "val" / "not_a_wnid").mkdir(parents=True)
     for folder in (tmp_path / "missing", tmp_path / "val"):

@@ -16,9 +16,9 @@ from test_export_eva import Batches
 
 from eva_fastclip import cli, export
 from eva_fastclip.config import ModelConfig, load_config
-from eva_fastclip.engine.setup import load_deepspeed_config
 from eva_fastclip.engine.trainer import Trainer
 from eva_fastclip.models import create_model
+from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 
 CAPTION = "a photo of a red square on a blue background"
 

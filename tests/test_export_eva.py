@@ -8,10 +8,10 @@ import torch
 
 from eva_fastclip import export
 from eva_fastclip.config import ModelConfig, load_config
-from eva_fastclip.engine.setup import load_deepspeed_config
 from eva_fastclip.engine.trainer import Trainer
 from eva_fastclip.export import export_open_clip
 from eva_fastclip.models import create_model, to_open_clip_state_dict
+from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 
 
 class Batches:

@@ -1,8 +1,8 @@
-"""A full disk loses nothing (engine/checkpoint.py), provoked for real: every process of a launch under a
-file-size limit (RLIMIT_FSIZE, ``ulimit -f``), so the kernel refuses the checkpoint's large files with
-EFBIG, as a full file system refuses them with ENOSPC. The save fails on every rank together, leaves no
-folder that looks complete, names the folder, the error and the sizes, and stops the run with code 4; the
-previous complete checkpoint and ``latest`` are intact, and a run without the limit resumes from them."""
+"""A full disk loses nothing (checkpointing/checkpoint.py), provoked for real: every process of a launch under
+a file-size limit (RLIMIT_FSIZE, ``ulimit -f``), so the kernel refuses the checkpoint's large files with
+EFBIG, as a full file system refuses them with ENOSPC. The save fails on every rank together, leaves no folder
+that looks complete, names the folder, the error and the sizes, and stops the run with code 4; the previous
+complete checkpoint and ``latest`` are intact, and a run without the limit resumes from them."""
 
 import resource
 import time
@@ -10,7 +10,7 @@ import time
 import pytest
 from test_preemption import Run, all_gone, last_complete, train_args
 
-from eva_fastclip.engine import checkpoint
+from eva_fastclip.checkpointing import checkpoint
 
 pytestmark = pytest.mark.launcher
 

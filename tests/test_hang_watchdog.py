@@ -1,4 +1,4 @@
-"""No silent hang (engine/watchdog.py), with real processes and real signals: a rank whose phase outlasts
+"""No silent hang (reliability/watchdog.py), with real processes and real signals: a rank whose phase outlasts
 its allowance logs what it was doing, which ranks it waits for and its threads' stacks, and exits with
 code 124; the launcher then ends the rest, and no process of the run is left. Each test prints how long
 the detection and the whole stop took."""
@@ -11,7 +11,7 @@ import time
 import pytest
 from test_preemption import Run, all_gone, train_args
 
-from eva_fastclip.engine.watchdog import HANG_EXIT_CODE
+from eva_fastclip.reliability.watchdog import HANG_EXIT_CODE
 
 TIMEOUT = 8
 
@@ -20,7 +20,7 @@ def test_a_phase_that_outlasts_its_allowance_ends_the_process():
     """Without a process group: the stacks of every thread, the phase, and exit code 124."""
     program = (
         "import time\n"
-        "from eva_fastclip.engine.watchdog import Watchdog\n"
+        "from eva_fastclip.reliability.watchdog import Watchdog\n"
         "with Watchdog(1.0, 2.0) as dog:\n"
         "    dog.set_phase('loader', step=3)\n"
         "    time.sleep(30)\n"
@@ -95,7 +95,7 @@ def test_a_stalled_loader_worker_is_named_and_the_run_ends(data, tmp_path):
     )
     assert code == HANG_EXIT_CODE, run.text()[-4000:]
     (stalled,) = [line for line in lines if "in phase 'loader'" in line]
-    assert stalled.split("ERROR eva_fastclip.engine.watchdog: ")[1].startswith("rank 0 (")
+    assert stalled.split("ERROR eva_fastclip.reliability.watchdog: ")[1].startswith("rank 0 (")
     assert all(str(worker.pid) in stalled for worker in workers)  # its workers named
     # rank 1 names rank 0: waiting for a batch, or (gone first, taking the store it serves) stopped or gone
     waiting = [line for line in lines if "in phase 'loader'" not in line]

@@ -112,8 +112,8 @@ def test_cpu_kernels_report_sdpa_and_fallbacks():
 
 def test_trainer_runs_the_final_steps_unmasked(tmp_path):
     from eva_fastclip.config import load_config
-    from eva_fastclip.engine.setup import load_deepspeed_config
     from eva_fastclip.engine.trainer import Trainer
+    from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 
     g = torch.Generator().manual_seed(0)
     batches = [

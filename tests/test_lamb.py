@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from eva_fastclip.config import ConfigError, OptimConfig, load_config
-from eva_fastclip.engine.lamb import Fragment, Lamb, attach_zero_partitions
-from eva_fastclip.engine.setup import build_optimizer, initialize_engine
+from eva_fastclip.engine.setup import initialize_engine
+from eva_fastclip.optim.lamb import Fragment, Lamb, attach_zero_partitions
+from eva_fastclip.optim.optimizer import build_optimizer
 
 LAMB_JSON = Path(__file__).parents[1] / "ds_configs" / "zero1_fp32_lamb.json"
 BETAS, EPS = (0.9, 0.98), 1e-6
@@ -305,7 +306,7 @@ def test_per_zero_partition_steps_each_flat_partition_as_the_kernel_does():
     """``optim.lamb_trust_ratio=per_zero_partition``: DeepSpeed flattens each group into one fp32
     partition (one rank: the whole group, padded) and hands those to the optimizer; the update, trust ratio
     included, is the kernel's on the flat partition, as FusedLamb steps it under ZeRO."""
-    from eva_fastclip.engine.process import init_process_group
+    from eva_fastclip.reliability.process import init_process_group
 
     init_process_group()
     sets = ["optim.lr=0.01", "optim.weight_decay=0.1", "optim.warmup_steps=0"]

@@ -19,7 +19,9 @@ from test_lamb import LAMB_JSON, kernel_step
 from torch import nn
 
 from eva_fastclip.config import load_config
-from eva_fastclip.engine.setup import build_optimizer, build_scheduler, initialize_engine
+from eva_fastclip.engine.setup import initialize_engine
+from eva_fastclip.optim.optimizer import build_optimizer
+from eva_fastclip.optim.schedule import build_scheduler
 
 STEPS = 3
 RTOL = 1e-6
@@ -156,7 +158,7 @@ def assert_per_tensor(result, expected, label: str, bf16: bool) -> None:
 
 
 def _two_ranks(rank: int, port: int, out_dir: str) -> None:
-    from eva_fastclip.engine.process import init_process_group
+    from eva_fastclip.reliability.process import init_process_group
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -191,7 +193,7 @@ def expected():
 
 @pytest.mark.parametrize("name", ONE_RANK)
 def test_one_rank_steps_are_per_tensor(name, expected):
-    from eva_fastclip.engine.process import init_process_group
+    from eva_fastclip.reliability.process import init_process_group
 
     init_process_group()
     result = run(name, 1)

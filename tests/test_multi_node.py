@@ -29,8 +29,8 @@ import pytest
 from launching import free_port
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from eva_fastclip.checkpointing import checkpoint
 from eva_fastclip.data import write_toy_dataset
-from eva_fastclip.engine import checkpoint
 
 pytestmark = pytest.mark.launcher
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from eva_fastclip.checkpointing import checkpoint
 from eva_fastclip.cli import main
 from eva_fastclip.config import ConfigError, load_config
 from eva_fastclip.data import write_toy_dataset
-from eva_fastclip.engine import checkpoint
 from eva_fastclip.engine import trainer as trainer_module
 from eva_fastclip.export import consolidated_state_dict
 

@@ -9,7 +9,7 @@ from open_clip.loss import ClipLoss
 
 from eva_fastclip.config import LossConfig
 from eva_fastclip.losses import Gatherer, OpenClipLoss
-from eva_fastclip.temperature import TemperatureController
+from eva_fastclip.optim.temperature import TemperatureController
 
 
 def features(n, d, seed):

@@ -10,8 +10,11 @@ import torch
 from torch import nn
 
 from eva_fastclip.config import ModelConfig, OptimConfig, load_config
-from eva_fastclip.engine.setup import build_optimizer, build_scheduler, load_deepspeed_config
-from eva_fastclip.models import create_model, parameter_groups
+from eva_fastclip.models import create_model
+from eva_fastclip.optim.optimizer import build_optimizer
+from eva_fastclip.optim.param_groups import parameter_groups
+from eva_fastclip.optim.schedule import build_scheduler
+from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 
 LAMB_JSON = Path(__file__).parents[1] / "ds_configs" / "zero1_bf16_lamb.json"
 # EVA-CLIP B/16 values, with different decays per tower so a mix-up shows

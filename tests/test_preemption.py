@@ -1,4 +1,4 @@
-"""Preemption with real processes and real signals (engine/preemption.py): a signal to one rank, to every
+"""Preemption with real processes and real signals (reliability/preemption.py): a signal to one rank, to every
 rank or to the ``deepspeed`` launcher makes every rank save the checkpoint of the step in flight and exit
 with code 75; the run resumes from it exactly; a second signal stops at once, the last complete checkpoint
 intact. Each test prints how long the stop took, from the signal to the last process of the run gone.
@@ -18,10 +18,10 @@ import pytest
 import torch
 from launching import REPO, free_port, launcher_env
 
+from eva_fastclip.checkpointing import checkpoint
 from eva_fastclip.data import write_toy_dataset
-from eva_fastclip.engine import checkpoint
-from eva_fastclip.engine.preemption import PREEMPTED_EXIT_CODE
 from eva_fastclip.export import consolidated_state_dict
+from eva_fastclip.reliability.preemption import PREEMPTED_EXIT_CODE
 
 pytestmark = pytest.mark.launcher
 

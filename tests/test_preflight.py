@@ -1,4 +1,4 @@
-"""Every check before step 1 (engine/preflight.py): each path a run reads, the output folder, the lengths,
+"""Every check before step 1 (plan/preflight.py): each path a run reads, the output folder, the lengths,
 each problem with its key and fix; ``train --dry-run`` reports them; a bad path stops ``train`` before any
 process group or output exists, and the Trainer checks again when built directly."""
 
@@ -14,10 +14,10 @@ import pytest  # noqa: E402
 from eva_fastclip.cli import main  # noqa: E402
 from eva_fastclip.config import load_config  # noqa: E402
 from eva_fastclip.data import write_toy_dataset  # noqa: E402
-from eva_fastclip.engine import preflight  # noqa: E402
-from eva_fastclip.engine.setup import load_deepspeed_config  # noqa: E402
 from eva_fastclip.evaluation.sets import read_wds_folder  # noqa: E402
 from eva_fastclip.evaluation.zeroshot import fill_template  # noqa: E402
+from eva_fastclip.plan import preflight
+from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 
 NUM_TRAIN = 64
 

@@ -10,14 +10,15 @@ from pathlib import Path
 import pytest
 
 from eva_fastclip.cli import main
-from eva_fastclip.config import ExperimentConfig, LossConfig, batch_layout, load_config
-from eva_fastclip.engine.precision import (
+from eva_fastclip.config import ExperimentConfig, LossConfig, load_config
+from eva_fastclip.plan.deepspeed_json import load_deepspeed_config, resolve_deepspeed_config
+from eva_fastclip.plan.layout import batch_layout
+from eva_fastclip.plan.precision import (
     Hardware,
     choose_precision,
     detect_hardware,
     precision_in_deepspeed_json,
 )
-from eva_fastclip.engine.setup import load_deepspeed_config, resolve_deepspeed_config
 
 REPO = Path(__file__).parents[1]
 RECIPES = REPO / "docs" / "recipes.md"

@@ -1,6 +1,6 @@
-"""The restart supervisor (eva_fastclip/restarts.py) around a stand-in for the ``deepspeed`` command: a
-script that records its arguments and exits with the codes it is given, one per run. The real runs, with a
-node lost, are tests/test_multi_node.py's."""
+"""The restart supervisor (eva_fastclip/reliability/restarts.py) around a stand-in for the ``deepspeed``
+command: a script that records its arguments and exits with the codes it is given, one per run. The real runs,
+with a node lost, are tests/test_multi_node.py's."""
 
 import json
 import os
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from eva_fastclip.restarts import cause, with_option
+from eva_fastclip.reliability.restarts import cause, with_option
 
 REPO = Path(__file__).parents[1]
 
@@ -38,7 +38,7 @@ def supervise(command: list[str], max_restarts: int, **kwargs) -> subprocess.Com
     args = [
         sys.executable,
         "-m",
-        "eva_fastclip.restarts",
+        "eva_fastclip.reliability.restarts",
         "--max-restarts",
         str(max_restarts),
         "--",
@@ -77,7 +77,7 @@ def test_what_a_restart_cannot_cure_and_a_preemption_are_not_restarted(tmp_path,
 
 
 def test_sigterm_to_the_supervisor_reaches_the_run_and_nothing_restarts(tmp_path):
-    args = [sys.executable, "-m", "eva_fastclip.restarts", "--max-restarts", "3", "--"]
+    args = [sys.executable, "-m", "eva_fastclip.reliability.restarts", "--max-restarts", "3", "--"]
     proc = subprocess.Popen(
         [*args, *stand_in(tmp_path, [0], sleep=30)], cwd=REPO, stderr=subprocess.PIPE, text=True
     )

@@ -27,14 +27,15 @@ import torch
 from launching import free_port
 from torchvision import transforms
 
+from eva_fastclip.checkpointing import checkpoint, resume_config
 from eva_fastclip.cli import main
 from eva_fastclip.config import ConfigError, load_config
 from eva_fastclip.data import TrainLoader, write_shard, write_toy_dataset
-from eva_fastclip.engine import checkpoint, resume_config
-from eva_fastclip.engine.setup import WarmupCosine, load_deepspeed_config, warmup_cosine
 from eva_fastclip.engine.trainer import Trainer
 from eva_fastclip.export import consolidated_state_dict
 from eva_fastclip.losses import build_loss
+from eva_fastclip.optim.schedule import WarmupCosine, warmup_cosine
+from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 
 REPO = Path(__file__).parents[1]
 STEPS, KILL_AFTER, MICRO, GLOBAL = 8, 3, 8, 16  # 5 steps an epoch: the resumed runs cross into epoch 1

@@ -5,12 +5,12 @@ precision. An explicit choice that differs stops before step 1. One rank, in thi
 import pytest
 from test_step_hooks import BATCH, FixedBatches
 
+from eva_fastclip.checkpointing import checkpoint
 from eva_fastclip.config import ConfigError, load_config
-from eva_fastclip.engine import checkpoint
 from eva_fastclip.engine import trainer as trainer_module
-from eva_fastclip.engine.precision import Hardware
-from eva_fastclip.engine.setup import load_deepspeed_config
 from eva_fastclip.engine.trainer import Trainer, precision_of
+from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
+from eva_fastclip.plan.precision import Hardware
 
 
 def make_trainer(tmp_path, precision, resume=None, steps=2):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
+from eva_fastclip.checkpointing import checkpoint
 from eva_fastclip.config import load_config
-from eva_fastclip.engine import checkpoint
 from eva_fastclip.engine.trainer import Trainer
 
 SECONDS = 0.6  # train.save_every_minutes=0.01

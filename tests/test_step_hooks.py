@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from eva_fastclip.config import load_config
-from eva_fastclip.engine.setup import load_deepspeed_config
 from eva_fastclip.engine.trainer import Trainer, read_full_parameter
 from eva_fastclip.losses import Gatherer, PerSampleTable
+from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 
 DATASET, BATCH = 64, 8
 

@@ -1,6 +1,6 @@
-"""Stragglers named (engine/stragglers.py): the verdict on given figures, then real runs of 2 ranks through
-the launcher, one of them slowed by a SIGSTOP/SIGCONT duty cycle (a throttled GPU, a busy host), and one
-left alone, which raises no warning."""
+"""Stragglers named (reliability/stragglers.py): the verdict on given figures, then real runs of 2 ranks
+through the launcher, one of them slowed by a SIGSTOP/SIGCONT duty cycle (a throttled GPU, a busy host), and
+one left alone, which raises no warning."""
 
 import signal
 import threading
@@ -11,7 +11,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_preemption import Run, data, train_args  # noqa: F401 (data: the fixture)
 
-from eva_fastclip.engine.stragglers import MIN_SHARE, WARN_AGAIN_AFTER_WINDOWS, Stragglers
+from eva_fastclip.reliability.stragglers import MIN_SHARE, WARN_AGAIN_AFTER_WINDOWS, Stragglers
 
 
 def warmed_up(factor: float, windows: int) -> Stragglers:

@@ -10,9 +10,9 @@ import torch
 from fastclip_reference import IndividualTau
 
 from eva_fastclip.config import ConfigError, LossConfig, load_config
-from eva_fastclip.engine.setup import load_deepspeed_config
 from eva_fastclip.engine.trainer import Trainer
-from eva_fastclip.temperature import TemperatureController
+from eva_fastclip.optim.temperature import TemperatureController
+from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 
 
 def test_individual_adam_follows_fastclip_v2_code():

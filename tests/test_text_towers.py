@@ -14,13 +14,14 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from eva_fastclip.config import ModelConfig, OptimConfig  # noqa: E402
-from eva_fastclip.models import create_model, parameter_groups  # noqa: E402
+from eva_fastclip.models import create_model
 from eva_fastclip.models.text_towers import (  # noqa: E402
     is_text_key,
     load_text_checkpoint,
     lock_text_tower,
     text_parameters,
 )
+from eva_fastclip.optim.param_groups import parameter_groups
 
 ARCH = "test-vit-xs"  # text: width 32, 2 layers, context 16; vision: 32x32 images
 
@@ -287,7 +288,7 @@ def test_hf_tower_locks(minilm_folder):
 
 
 def test_locked_hf_tower_with_layer_decay_puts_its_head_at_the_top_layer(minilm_folder):
-    from eva_fastclip.models.param_groups import parameter_groups as groups_of
+    from eva_fastclip.optim.param_groups import parameter_groups as groups_of
 
     model = create_model(ModelConfig(name=ARCH, text_hf_model=str(minilm_folder), lock_text=True)).model
     groups = groups_of(model, OptimConfig(text_lr=1e-4, text_layer_decay=0.75))

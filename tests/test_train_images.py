@@ -18,7 +18,7 @@ from eva_fastclip.config import ConfigError, load_config
 from eva_fastclip.data import TrainLoader, write_shard
 from eva_fastclip.data.image_transform import EncodedJpeg
 from eva_fastclip.data.sample_keys import sample_key
-from eva_fastclip.engine import preflight
+from eva_fastclip.plan import preflight
 
 SIZE = 32
 MEAN, STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)

@@ -13,9 +13,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from launching import free_port, launcher_env
 
-from eva_fastclip.config import batch_layout, load_config, read_raw_config
+from eva_fastclip.config import load_config, read_raw_config
 from eva_fastclip.data import write_toy_dataset
-from eva_fastclip.engine.setup import load_deepspeed_config
+from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
+from eva_fastclip.plan.layout import batch_layout
 from eva_fastclip.tensor_memory import StorageTracker
 from eva_fastclip.tune import TuneOptions, Tuner
 from eva_fastclip.tune.layouts import Candidate, Trial, assign_verdicts, candidates
@@ -297,7 +298,7 @@ def test_estimate_only_plans_the_laion_preset_for_8_and_32_gpus_keeping_its_batc
 
 def test_train_refuses_a_deepspeed_json_that_enables_the_autotuner(tmp_path):
     from eva_fastclip.config import ConfigError
-    from eva_fastclip.engine.setup import resolve_deepspeed_config
+    from eva_fastclip.plan.deepspeed_json import resolve_deepspeed_config
 
     cfg = load_config(REPO / "configs/toy.json")
     ds = load_deepspeed_config(REPO / cfg.train.deepspeed_config)

@@ -3,8 +3,8 @@ never by a rank. The server then acts as the workers do: it ignores the stop sig
 SIGTERM to a rank's whole process tree, and the rank finishes its step and saves first), and dies with the
 rank that started it, however that ends; its workers die with it in turn (``ignore_stop_signals``). A rank
 must not import this module: it would ignore a stop and die with its launcher instead of saving
-(engine/preemption.py)."""
+(reliability/preemption.py)."""
 
-from eva_fastclip.data.workers import ignore_stop_signals
+from eva_fastclip.reliability.signals import ignore_stop_signals
 
 ignore_stop_signals()

@@ -38,6 +38,8 @@ import webdataset as wds
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from eva_fastclip.reliability.signals import ignore_stop_signals
+
 from .epoch_plan import EpochPlan, EpochRest, Segment, Tiling
 from .image_transform import TrainImageTransform, decode_on_device, normalize
 from .sample_keys import sample_key
@@ -55,7 +57,7 @@ from .tar_reader import (
     shard_samples,
 )
 from .urls import expand_urls
-from .workers import ignore_stop_signals, start_worker_server, worker_context
+from .workers import start_worker_server, worker_context
 
 logger = logging.getLogger(__name__)
 

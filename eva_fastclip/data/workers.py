@@ -8,7 +8,7 @@ process, started once per rank, that forks each worker.
 
 DeepSpeed's launch.py sends SIGTERM (after SIGINT) to every process of a rank's tree, and a scheduler's
 signal may reach them all: a worker killed by it would end the step in flight with a broken loader,
-while the rank itself finishes that step and saves a checkpoint (engine/preemption.py). So workers ignore
+while the rank itself finishes that step and saves a checkpoint (reliability/preemption.py). So workers ignore
 the signals that ask a run to stop, and go when their rank does (PyTorch's workers watch their parent).
 Ignoring SIGTERM also defeats the ``terminate()`` that multiprocessing sends its daemonic children when the
 rank's interpreter exits, and then joins them: a rank leaving with a loader iterator alive (an exception
@@ -18,31 +18,9 @@ out of the loop) would wait for its worker forever. So the rank kills its worker
 from __future__ import annotations
 
 import atexit
-import ctypes
 import functools
 import multiprocessing
 import signal
-import sys
-
-#: the signals that ask a run to stop: launchers, schedulers (SLURM's --signal), a closed terminal
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
-
-
-def ignore_stop_signals(worker_id: int | None = None) -> None:
-    """A DataLoader ``worker_init_fn``: the stop signals ignored, and no wakeup fd shared with the rank
-    (a forked worker inherits the rank's, and would report its own signals as the rank's)."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-    signal.set_wakeup_fd(-1)
-    die_with_parent()  # its fork server, which dies with the rank
-
-
-def die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when its parent ends, however it ends (SIGKILL, os._exit after a
-    second stop signal): a fork server and its workers must not outlive their rank. Elsewhere a no-op."""
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 def worker_context() -> multiprocessing.context.BaseContext:

@@ -25,7 +25,7 @@
 
 Each step kind's ``add(batch)`` takes one micro-batch and returns the loss outputs of the micro-batches it
 backpropagated and whether the optimizer step was taken (DeepSpeed's accumulation boundary). It names each
-phase of its work to ``note`` (the hang watchdog's: engine/watchdog.py).
+phase of its work to ``note`` (the hang watchdog's: reliability/watchdog.py).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def held_memory(layout, embed_dim: int, image_shape: tuple[int, ...], image_byte
 def _forward(
     engine, model_input: ModelInput, batch: MicroBatch, timed: Callable[[], contextlib.AbstractContextManager]
 ):
-    with timed():  # the rank's own work, no collective: what tells a straggler (engine/stragglers.py)
+    with timed():  # the rank's own work, no collective: what tells a straggler (reliability/stragglers.py)
         image_features, text_features, logit_scale = engine(model_input(batch.images), batch.tokens)[:3]
     # the loss runs in fp32 whatever the module's precision: logits of a large batch need the range
     return image_features.float(), text_features.float(), logit_scale.float()
@@ -102,7 +102,7 @@ class MicroBatchStep:
     def __init__(self, engine, loss: ContrastiveLoss, model_input: ModelInput) -> None:
         self.engine, self.loss, self.model_input = engine, loss, model_input
         self.note: Callable[[str], None] = _no_note
-        # times each forward (engine/stragglers.py's ForwardTimer in training)
+        # times each forward (reliability/stragglers.py's ForwardTimer in training)
         self.timed: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def add(self, batch: MicroBatch) -> tuple[list[LossOutput], bool]:
@@ -129,7 +129,7 @@ class CachedStep:
     def __init__(self, engine, loss: ContrastiveLoss, model_input: ModelInput, micro_batches: int) -> None:
         self.engine, self.loss, self.model_input = engine, loss, model_input
         self.note: Callable[[str], None] = _no_note
-        # times each forward (engine/stragglers.py's ForwardTimer in training)
+        # times each forward (reliability/stragglers.py's ForwardTimer in training)
         self.timed: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         self.micro_batches = micro_batches
         self._running_stats = running_statistics(engine.module)

@@ -1,18 +1,19 @@
 """The training loop: set-up in a fixed order, then ``train()`` over ``train_step()``.
 
 Set-up order: config (validated before we get here) → seed → pre-flight checks of paths (rank 0,
-engine/preflight.py) → process group (engine/process.py; the hang watchdog's heartbeats start) → the
+plan/preflight.py) → process group (reliability/process.py; the hang watchdog's heartbeats start) → the
 checkpoint to resume (its conversion for another number of ranks, the accumulation that keeps its global
 batch) → model (temperature controller, kernels) → data → its schedule checks → loss → precision and
 DeepSpeed JSON → engine → the step's loss evaluations (engine/contrastive_step.py: per micro-batch, or
 cached over the whole step) → resume (the RNG states last) → TensorBoard writer and step log. One "step" is
 one optimizer step (``train.grad_accum_steps`` micro-batches). Each logging window compares the ranks' own
-work (engine/stragglers.py) and their data wait (engine/data_wait.py) in one all-gather.
+work (reliability/stragglers.py) and their data wait (reliability/data_wait.py) in one all-gather.
 
 ``train()`` catches the signals that ask for a stop and saves at the next step boundary
-(engine/preemption.py); the command line runs it under the hang watchdog (engine/watchdog.py), whose phases
-the trainer names. It stops after ``train.max_skipped_steps`` steps in a row that DeepSpeed skipped or whose
-loss was not finite, and never saves non-finite weights: the last complete checkpoint stays the one to resume.
+(reliability/preemption.py); the command line runs it under the hang watchdog (reliability/watchdog.py), whose
+phases the trainer names. It stops after ``train.max_skipped_steps`` steps in a row that DeepSpeed skipped or
+whose loss was not finite, and never saves non-finite weights: the last complete checkpoint stays the one to
+resume.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from eva_fastclip.config import ConfigError, ExperimentConfig, batch_layout, gamma_decay_epochs_for
+from eva_fastclip.checkpointing import checkpoint, resume_config
+from eva_fastclip.config import ConfigError, ExperimentConfig, gamma_decay_epochs_for
 from eva_fastclip.data import TrainLoader
 from eva_fastclip.data.sample_keys import keys_for_indices
-from eva_fastclip.engine import checkpoint, preflight, resume_config
 from eva_fastclip.engine.contrastive_step import (
     CachedStep,
     MicroBatch,
@@ -41,16 +42,27 @@ from eva_fastclip.engine.contrastive_step import (
     held_memory,
     running_statistics,
 )
-from eva_fastclip.engine.data_wait import DataWait, cores_per_rank, slowest_rank
 from eva_fastclip.engine.evaluate import evaluate_model, format_results
-from eva_fastclip.engine.precision import (
+from eva_fastclip.engine.setup import initialize_engine
+from eva_fastclip.losses import Gatherer, build_loss
+from eva_fastclip.models import create_model
+from eva_fastclip.models.kernels import configure_kernels
+from eva_fastclip.models.masking import set_patch_dropout
+from eva_fastclip.optim.param_groups import TEMPERATURE_GROUP
+from eva_fastclip.optim.schedule import WarmupCosine, retarget_schedule
+from eva_fastclip.optim.temperature import TemperatureController
+from eva_fastclip.plan import preflight
+from eva_fastclip.plan.deepspeed_json import autocast_dtype, resolve_deepspeed_config, resolve_precision
+from eva_fastclip.plan.layout import batch_layout
+from eva_fastclip.plan.precision import (
     common_hardware,
     detect_hardware,
     for_resume,
     precision_in_deepspeed_json,
 )
-from eva_fastclip.engine.preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption
-from eva_fastclip.engine.process import (
+from eva_fastclip.reliability.data_wait import DataWait, cores_per_rank, slowest_rank
+from eva_fastclip.reliability.preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption
+from eva_fastclip.reliability.process import (
     init_process_group,
     memory_in_use_gib,
     on_rank0,
@@ -58,22 +70,8 @@ from eva_fastclip.engine.process import (
     seed_everything,
     set_rng_state,
 )
-from eva_fastclip.engine.setup import (
-    WarmupCosine,
-    autocast_dtype,
-    initialize_engine,
-    resolve_deepspeed_config,
-    resolve_precision,
-    retarget_schedule,
-)
-from eva_fastclip.engine.stragglers import ForwardTimer, Stragglers
-from eva_fastclip.engine.watchdog import Watchdog, flight_recorder_env
-from eva_fastclip.losses import Gatherer, build_loss
-from eva_fastclip.models import create_model
-from eva_fastclip.models.kernels import configure_kernels
-from eva_fastclip.models.masking import set_patch_dropout
-from eva_fastclip.models.param_groups import TEMPERATURE_GROUP
-from eva_fastclip.temperature import TemperatureController
+from eva_fastclip.reliability.stragglers import ForwardTimer, Stragglers
+from eva_fastclip.reliability.watchdog import Watchdog, flight_recorder_env
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +98,7 @@ class Trainer:
         """``loader`` replaces the webdataset loader (benchmarks, tests): an iterable of (images, tokens,
         indices) with ``num_batches`` and ``set_epoch``; a resumed epoch reads and drops the batches done
         unless it also has TrainLoader's ``state_dict`` and ``resume``. ``watchdog``: the hang watchdog
-        the trainer tells what it does (``eva-fastclip train`` runs one; engine/watchdog.py)."""
+        the trainer tells what it does (``eva-fastclip train`` runs one; reliability/watchdog.py)."""
         self.cfg = cfg
         self.watchdog = watchdog or Watchdog(0, 0)  # (off)
         seed_everything(cfg.train.seed)
@@ -402,7 +400,7 @@ class Trainer:
 
     def _agree(self, metrics: dict[str, float]) -> tuple[bool, bool]:
         """The step boundary's one collective, a MAX over ranks of: this step was bad (below), a stop was
-        asked for (engine/preemption.py: one rank may have the signal), rank 0's clock says save
+        asked for (reliability/preemption.py: one rank may have the signal), rank 0's clock says save
         (train.save_every_minutes: every rank saves at the same step). Returns (stop, save now)."""
         bad = not (metrics["step_applied"] and metrics["loss_finite"])
         stop = self.preemption is not None and self.preemption.requested is not None
@@ -418,7 +416,8 @@ class Trainer:
         return stop, due
 
     def _stop_preempted(self) -> None:
-        """Save this step's checkpoint (unless there is one) and raise Preempted (engine/preemption.py)."""
+        """Save this step's checkpoint (unless there is one) and raise Preempted (reliability/
+        preemption.py)."""
         what = self.preemption.requested or "another rank was asked to stop"
         started = time.monotonic()
         if self._saved_step != self.step:
@@ -676,7 +675,7 @@ class Trainer:
 
     def _retarget_schedule(self) -> None:
         """Stretch the lr decay over a changed train.steps / train.epochs (setup.WarmupCosine), and end it
-        at this run's optim.min_lr_ratio (the warm-up cannot change: engine/resume_config.py)."""
+        at this run's optim.min_lr_ratio (the warm-up cannot change: checkpointing/resume_config.py)."""
         scheduler = self.engine.lr_scheduler
         saved = retarget_schedule(scheduler, self.step, self.total_steps)
         if saved is None:
@@ -712,7 +711,7 @@ class Trainer:
     def _apply_resumed_config(self, built: list[dict[str, Any]]) -> None:
         """The optimizer settings of this run's config in place of the checkpoint's (each group's peak lr,
         the temperature's after its one-time drop, weight decay, betas, eps), from the next step on; rank 0
-        logs every key that changed (engine/resume_config.py)."""
+        logs every key that changed (checkpointing/resume_config.py)."""
         scale = {}
         if self.temperature.lr_dropped:  # rgcl_g's drop happened: it stays on the new temperature lr
             scale[TEMPERATURE_GROUP] = self.temperature.lr_drop_factor

@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from eva_fastclip.data.workers import ignore_stop_signals, worker_context
+from eva_fastclip.data.workers import worker_context
+from eva_fastclip.reliability.signals import ignore_stop_signals
 
 log = logging.getLogger(__name__)
 

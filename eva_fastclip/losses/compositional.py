@@ -38,7 +38,7 @@ from eva_fastclip.losses.base import ContrastiveLoss, LossOutput
 from eva_fastclip.losses.gather import Gatherer
 from eva_fastclip.losses.state import PerSampleTable
 from eva_fastclip.losses.surrogate import Operands, Stats, Surrogate, statistics
-from eva_fastclip.temperature import TemperatureController
+from eva_fastclip.optim.temperature import TemperatureController
 
 _LOG_TINY = math.log(1e-35)  # a stored u below this is treated as unset (SPEC's reset rule)
 

@@ -1,5 +1,5 @@
 """Models: open_clip architectures (and the tiny ones shipped here), EVA and text-tower weights from local
-files, parameter groups, the token-masking switch and kernel selection."""
+files, the token-masking switch and kernel selection."""
 
 from eva_fastclip.models.eva import VisionLoadReport, load_vision_checkpoint, load_vision_tower
 from eva_fastclip.models.factory import (
@@ -8,7 +8,6 @@ from eva_fastclip.models.factory import (
     make_logit_scale_1d,
     to_open_clip_state_dict,
 )
-from eva_fastclip.models.param_groups import parameter_groups
 
 __all__ = [
     "ModelBundle",
@@ -17,6 +16,5 @@ __all__ = [
     "load_vision_checkpoint",
     "load_vision_tower",
     "make_logit_scale_1d",
-    "parameter_groups",
     "to_open_clip_state_dict",
 ]

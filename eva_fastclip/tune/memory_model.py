@@ -143,7 +143,7 @@ def estimate(candidate, fp: Footprint) -> dict[str, int]:
     step = {
         "gradients": t * w,
         "fp32_gradients": 4 * t // shard,
-        # our LAMB makes each tensor's update in fp32 before its trust ratio (engine/lamb.py)
+        # our LAMB makes each tensor's update in fp32 before its trust ratio (optim/lamb.py)
         "optimizer_update": 4 * fp.largest_tensor if fp.optimizer == "Lamb" else 0,
     }
     on_device = sum(state.values()) + (table if fp.device == "cpu" else 0)

@@ -260,9 +260,9 @@ def data_probe(
     steps: int = DATA_STEPS,
 ) -> DataResult:
     """Train ``candidate`` on the real loader (``workers`` per rank, ``image_decode``) for ``1 + steps``
-    optimizer steps, timing its waits as training does (engine/data_wait.py); every rank calls it."""
-    from eva_fastclip.engine.data_wait import DataWait, cores_per_rank, slowest_rank
+    optimizer steps, timing its waits as training does (reliability/data_wait.py); every rank calls it."""
     from eva_fastclip.engine.trainer import Trainer
+    from eva_fastclip.reliability.data_wait import DataWait, cores_per_rank, slowest_rank
 
     overrides = {"data.workers": workers, "data.image_decode": image_decode}
     probe_cfg = layout_config(cfg, candidate, output_dir, overrides)

@@ -34,8 +34,9 @@ from typing import Any
 
 import torch
 
-from eva_fastclip.config import ConfigError, ExperimentConfig, batch_layout
-from eva_fastclip.engine.process import on_rank0
+from eva_fastclip.config import ConfigError, ExperimentConfig
+from eva_fastclip.plan.layout import batch_layout
+from eva_fastclip.reliability.process import on_rank0
 from eva_fastclip.tune import report
 from eva_fastclip.tune.layouts import (
     ZERO_STAGES,
@@ -104,7 +105,7 @@ def check_tunable(ds: dict[str, Any], source: str) -> None:
 
 def check_inputs(cfg: ExperimentConfig, *, data: bool) -> None:
     """What the probes read: the model's files, the image decode, and (for the loader's rate) the shards."""
-    from eva_fastclip.engine import preflight
+    from eva_fastclip.plan import preflight
 
     problems = preflight.check_model(cfg) + preflight.check_image_decode(cfg)
     if data:
@@ -149,8 +150,8 @@ class Tuner:
         opts: TuneOptions,
         watchdog=None,
     ) -> None:
-        from eva_fastclip.engine.precision import Hardware, common_hardware, detect_hardware
-        from eva_fastclip.engine.setup import resolve_deepspeed_config, resolve_precision
+        from eva_fastclip.plan.deepspeed_json import resolve_deepspeed_config, resolve_precision
+        from eva_fastclip.plan.precision import Hardware, common_hardware, detect_hardware
 
         self.cfg, self.raw, self.opts, self.watchdog = cfg, raw, opts, watchdog
         self.started = time.monotonic()
@@ -163,7 +164,7 @@ class Tuner:
             self.device = torch.device("cpu")  # where the activations are traced
             hardware = Hardware(True, True, f"{opts.gpus} planned GPUs (bf16 native, as on A100 and H100)")
         else:
-            from eva_fastclip.engine.process import init_process_group
+            from eva_fastclip.reliability.process import init_process_group
 
             self.rank, self.world_size, self.device = init_process_group()
             hardware = common_hardware(detect_hardware())
@@ -222,7 +223,7 @@ class Tuner:
         return on_rank0(trace)
 
     def _table_rows(self) -> int:
-        from eva_fastclip.engine import preflight
+        from eva_fastclip.plan import preflight
 
         if self.cfg.loss.name == "openclip":
             return 0
@@ -387,7 +388,7 @@ class Tuner:
     def _tune_data(self, chosen: Trial) -> dict[str, Any]:
         """The fewest loader workers per rank (and the decode) that keep the data wait under 5% at the
         chosen layout's step, measured on the real loader; or what it would take."""
-        from eva_fastclip.engine.data_wait import cores_per_rank, workers_needed
+        from eva_fastclip.reliability.data_wait import cores_per_rank, workers_needed
 
         if not self.opts.data:
             self.not_measured.append("the data rate (--no-data): data.workers and data.image_decode kept")
@@ -628,7 +629,7 @@ class Tuner:
             return f"{self.opts.gpus} GPUs of {self.opts.gpu_memory_gib:g} GiB (planned)"
         if self.device.type == "cuda":
             return torch.cuda.get_device_name(self.device)
-        from eva_fastclip.bench.speed import cpu_model
+        from benchmarks.speed import cpu_model
 
         return f"CPU ({cpu_model()})"
 

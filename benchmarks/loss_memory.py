@@ -1,6 +1,6 @@
 """Loss-step memory and collective traffic: our ``fastclip_v3`` loss against OpenCLIP's own ``ClipLoss``.
 
-    python -m eva_fastclip.bench.loss_memory [--quick] [--output runs/bench/loss_memory.json]
+    python -m benchmarks.loss_memory [--quick] [--output runs/bench/loss_memory.json]
 
 Two contestants run side by side in the same K spawned processes (gloo process group, one thread each):
 

@@ -1,6 +1,7 @@
 """Restart a failed run by itself: ``MAX_RESTARTS=N`` for launchers/single_node.sh and multi_node.sh.
 
-    python -m eva_fastclip.restarts --max-restarts N [--min-nodes M] -- deepspeed ... train --config C ...
+    python -m eva_fastclip.reliability.restarts --max-restarts N [--min-nodes M] -- \
+        deepspeed ... train --config C ...
 
 runs the ``deepspeed`` command; when it fails, it runs it again with ``--resume latest``, up to N times,
 logging one line per restart: the exit code and what it means, and the step the run goes on from. Not
@@ -32,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from eva_fastclip.data.workers import STOP_SIGNALS
+from eva_fastclip.reliability.signals import STOP_SIGNALS
 
 #: exit codes that a restart would not cure, and what they mean
 NOT_RESTARTED = {
@@ -92,8 +93,8 @@ def with_option(command: list[str], name: str, value: str) -> list[str]:
 
 def resumed_step(command: list[str]) -> str:
     """The step ``--resume latest`` goes on from: the last complete checkpoint of the run's output folder."""
+    from eva_fastclip.checkpointing import checkpoint
     from eva_fastclip.config import load_config
-    from eva_fastclip.engine import checkpoint
 
     train = command[command.index("train") + 1 :] if "train" in command else []
     overrides = [train[i + 1] for i, arg in enumerate(train[:-1]) if arg == "--set"]
@@ -188,7 +189,7 @@ def _group_alive(pgid: int) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m eva_fastclip.restarts", description=__doc__.split("\n")[0]
+        prog="python -m eva_fastclip.reliability.restarts", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--max-restarts", type=int, required=True)
     parser.add_argument("--min-nodes", type=int, default=1)

@@ -4,7 +4,7 @@ Every optimizer step ends in collectives, so every rank's step lasts as long as 
 times cannot say who is slow. What a rank does alone can (NVIDIA's Resiliency Extension scores ranks the
 same way): the forward of its micro-batches (no collective there with ZeRO 0-2) and its wait for its own
 loader. Each rank sums both over the logging window; at the window's end one small all-gather (shared
-with the data-wait figures, engine/data_wait.py) gives every rank every rank's own seconds per step.
+with the data-wait figures, reliability/data_wait.py) gives every rank every rank's own seconds per step.
 
 A rank is behind in a window when its own time per step exceeds the ranks' (lower) median by
 ``train.straggler_factor`` and the excess is at least MIN_SHARE of the step (below that, nobody waits for

@@ -1,5 +1,5 @@
 """`eva-fastclip bench-lamb`: the time of one LAMB optimizer step, trust ratio per model tensor (ours,
-engine/lamb.py) against per flat ZeRO partition (DeepSpeed's rule, eva_fastclip's before), and DeepSpeed's
+optim/lamb.py) against per flat ZeRO partition (DeepSpeed's rule, eva_fastclip's before), and DeepSpeed's
 FusedLamb (per partition, its CUDA kernel) where CUDA is present.
 
 The parameters have a ViT-B/16 vision tower's shapes (86M by default), grouped as EVA-CLIP groups them (one
@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from eva_fastclip.bench.speed import cpu_model
-from eva_fastclip.engine.lamb import Fragment, Lamb
+from benchmarks.speed import cpu_model
+from eva_fastclip.optim.lamb import Fragment, Lamb
 
 PER_PARTITION, PER_TENSOR, FUSED = "per_zero_partition", "per_tensor", "fused_lamb"
 

@@ -206,8 +206,8 @@ def load_checkpoint(engine, folder: Path, universal: Path | None = None) -> dict
 
 def saved_settings(folder: Path) -> dict[str, Any]:
     """The experiment config a checkpoint was trained with (``config``) and its DeepSpeed settings
-    (``deepspeed``, engine/resume_config.py): from its marker, or for a checkpoint saved before the marker
-    held them, from the client state in its model states (the ZeRO stage and clipping from DeepSpeed's
+    (``deepspeed``, checkpointing/resume_config.py): from its marker, or for a checkpoint saved before the
+    marker held them, from the client state in its model states (the ZeRO stage and clipping from DeepSpeed's
     copy of its JSON; the optimizer's type and parameters are not there)."""
     marker = read_marker(folder)
     if "config" in marker:

@@ -1,6 +1,6 @@
 """tune's memory model against measured peaks: estimate and probe, side by side, per model and layout.
 
-    deepspeed --num_gpus 2 --module eva_fastclip.bench.tune_estimate \\
+    deepspeed --num_gpus 2 --module benchmarks.tune_estimate \\
         [--models toy-vit-t RN50 ViT-B-16] [--micro 8 16] [--output runs/bench/tune_estimate.json]
 
 For every model, every micro-batch of ``--micro``, gradient checkpointing off and on, and ZeRO 0 and 1
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from eva_fastclip.config import load_config, read_raw_config
-from eva_fastclip.engine.setup import load_deepspeed_config
+from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 from eva_fastclip.tune import TuneOptions, Tuner
 from eva_fastclip.tune.memory_model import GIB
 

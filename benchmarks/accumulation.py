@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from eva_fastclip.bench.speed import (
+from benchmarks.speed import (
     DEFAULT_DS_CONFIG,
     MASKS,
     OpenClipStep,
@@ -140,7 +140,7 @@ def step_peak_bytes(contestant, batch) -> int:
         contestant.step(*batch)
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
-    from eva_fastclip.bench.loss_memory import AllocatorPeak
+    from benchmarks.loss_memory import AllocatorPeak
 
     with AllocatorPeak() as alloc:
         contestant.step(*batch)

@@ -1,6 +1,6 @@
 """Training layouts side by side: a preset's own layout against the one `eva-fastclip tune` chose.
 
-    deepspeed --num_gpus 2 --module eva_fastclip.bench.tune_layouts \\
+    deepspeed --num_gpus 2 --module benchmarks.tune_layouts \\
         --layout preset=configs/toy.json --layout tuned=tuned.json [--set key=value ...] \\
         [--rounds 3] [--steps 4] [--output runs/bench/tune_layouts.json]
 
@@ -21,8 +21,9 @@ import os
 import statistics
 from pathlib import Path
 
-from eva_fastclip.config import ConfigError, batch_layout, load_config
-from eva_fastclip.engine.setup import load_deepspeed_config
+from eva_fastclip.config import ConfigError, load_config
+from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
+from eva_fastclip.plan.layout import batch_layout
 from eva_fastclip.tune.layouts import Candidate
 from eva_fastclip.tune.memory_model import GIB
 from eva_fastclip.tune.probe import model_probe
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="timed optimizer steps of each turn")
     parser.add_argument("--output", default="runs/bench/tune_layouts.json")
     args = parser.parse_args(argv)
-    from eva_fastclip.engine.process import init_process_group
+    from eva_fastclip.reliability.process import init_process_group
 
     rank, world, _ = init_process_group()
     import open_clip

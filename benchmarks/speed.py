@@ -142,8 +142,8 @@ def bench_trainer(
     """A Trainer of the default recipe with OpenCLIP's loss, fed ``batch`` by a synthetic loader (an epoch
     of ``micro_batches``: the caller feeds ``train_step`` itself)."""
     from eva_fastclip.config import load_config
-    from eva_fastclip.engine.setup import load_deepspeed_config
     from eva_fastclip.engine.trainer import Trainer
+    from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 
     cfg = load_config(
         None,
@@ -297,7 +297,7 @@ def run_speed_benchmark(
         raise ValueError("bench-speed needs --steps >= 1, --warmup >= 0 and --batch-size >= 1")
     if model not in open_clip.list_models():
         raise ValueError(f"--model {model!r} is not an open_clip architecture")
-    from eva_fastclip.engine.precision import detect_hardware
+    from eva_fastclip.plan.precision import detect_hardware
 
     hardware = detect_hardware()
     if not hardware.native_bf16:  # both contestants run bf16: the ratio holds, the absolute times do not

@@ -28,10 +28,11 @@ from typing import Any
 
 import torch
 
-from eva_fastclip.config import ConfigError, ExperimentConfig, batch_layout
+from eva_fastclip.config import ConfigError, ExperimentConfig
 from eva_fastclip.data import DataSizes, expand_urls, resolve_sizes
 from eva_fastclip.data.sizes import is_remote
 from eva_fastclip.evaluation.sets import read_classification_folder
+from eva_fastclip.plan.layout import batch_layout
 
 log = logging.getLogger(__name__)
 
@@ -373,8 +374,8 @@ def _hf_local(name: str, files: tuple[str, ...]) -> bool:
 
 def check_resume(resume: str, checkpoint_root: Path, cfg: ExperimentConfig | None = None) -> list[Problem]:
     """The checkpoint ``--resume`` names is complete, and ``cfg`` changes no key the checkpoint cannot go on
-    under (engine/resume_config.py; the trainer compares again, the DeepSpeed settings too)."""
-    from eva_fastclip.engine import checkpoint, resume_config
+    under (checkpointing/resume_config.py; the trainer compares again, the DeepSpeed settings too)."""
+    from eva_fastclip.checkpointing import checkpoint, resume_config
 
     try:
         folder = checkpoint.resolve_resume(resume, checkpoint_root)
@@ -389,7 +390,7 @@ def check_resume(resume: str, checkpoint_root: Path, cfg: ExperimentConfig | Non
 def check_earlier_run(output_dir: str) -> list[Problem]:
     """A run without ``--resume`` in a folder that holds complete checkpoints would start over its step
     log and let retention delete the earlier run's checkpoints: it does not start, and touches nothing."""
-    from eva_fastclip.engine.checkpoint import complete_checkpoints
+    from eva_fastclip.checkpointing.checkpoint import complete_checkpoints
 
     root = Path(output_dir) / "checkpoints"
     try:

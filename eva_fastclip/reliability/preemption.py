@@ -17,7 +17,7 @@ scheduler or a restart loop runs the same command again with ``--resume latest``
   gone, or no longer the child of the process that started it, is a preemption too.
 - A second signal more than :data:`SAME_REQUEST_S` after the first (a launcher's SIGINT and then SIGTERM are
   one request) exits at once with the same code: the last complete checkpoint is intact, since a checkpoint
-  is complete only once its marker is written, last (engine/checkpoint.py).
+  is complete only once its marker is written, last (checkpointing/checkpoint.py).
 - A rank outlives its output: on several nodes the runner stops pdsh first, which closes every remote
   rank's stdout and stderr (the ssh session) before ``launch.py`` passes the SIGTERM on. The next write
   would raise BrokenPipeError out of a progress bar and end the rank without its save, so the rank's

@@ -266,9 +266,9 @@ def run_one(spec: RunSpec, data_dir: Path, out_dir: Path, threads: int) -> dict[
     import torch
 
     from eva_fastclip.config import load_config
-    from eva_fastclip.engine.setup import load_deepspeed_config
     from eva_fastclip.engine.trainer import Trainer
     from eva_fastclip.models import create_model
+    from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 
     run_dir = out_dir / "runs" / spec.name
     start = time.perf_counter()
@@ -571,7 +571,7 @@ def plot_curves(records: list[dict[str, Any]], path: Path, title: str = "") -> P
 
 
 def machine() -> str:
-    from eva_fastclip.bench.speed import cpu_model
+    from benchmarks.speed import cpu_model
 
     text = f"{cpu_model()}, {len(os.sched_getaffinity(0))} cores"
     import torch

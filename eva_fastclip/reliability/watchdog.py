@@ -5,11 +5,11 @@ waiting for a stopped peer says nothing meanwhile. The trainer names what it is 
 start-up, loader, forward, loss, backward, optimizer step, evaluation, save, ...); each phase has an
 allowance, ``train.hang_timeout_s`` for the work of a step and a batch from the loader,
 ``train.hang_timeout_long_s`` for start-up (process group, model, engine, a checkpoint's load), the first
-step, evaluations and saves. When a phase outlasts its allowance the rank logs what it was doing (step,
-phase, the last collective its loss entered), which ranks it is waiting for (below) and the stacks of its
-threads, marks the run aborted in the store and exits with :data:`HANG_EXIT_CODE`. Every rank's guardian
-(engine/guardian.py, a process of its own) then SIGKILLs its rank, a stopped one included, so every node's
-launch.py exits non-zero and the ``deepspeed`` command returns.
+step, evaluations and saves. When a phase outlasts its allowance the rank logs what it was doing (step, phase,
+the last collective its loss entered), which ranks it is waiting for (below) and the stacks of its threads,
+marks the run aborted in the store and exits with :data:`HANG_EXIT_CODE`. Every rank's guardian
+(reliability/guardian.py, a process of its own) then SIGKILLs its rank, a stopped one included, so every
+node's launch.py exits non-zero and the ``deepspeed`` command returns.
 
 Which ranks: every rank writes a heartbeat (its step, phase and time) to the process group's store every
 :data:`HEARTBEAT_S` seconds over a connection of its own. A rank whose heartbeat is stale is stopped or
@@ -21,7 +21,6 @@ the watchdog dumps it beside the run (``flight_recorder/``) before exiting.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import faulthandler
 import json
 import logging
@@ -33,6 +32,8 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
+
+from eva_fastclip.reliability.store import store_client
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class Watchdog:
         self._store = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._guardian = None  # engine/guardian.py: ends this rank if it is stopped when the run ends
+        self._guardian = None  # reliability/guardian.py: ends this rank if it is stopped when the run ends
 
     @property
     def enabled(self) -> bool:
@@ -110,11 +111,11 @@ class Watchdog:
 
     def connect_store(self, host: str, port: int) -> None:
         """Heartbeats from now on, through a connection of this thread's own to the group's store, and
-        the rank's guardian (engine/guardian.py)."""
+        the rank's guardian (reliability/guardian.py)."""
         self._store_address = (host, port)
         # once per process: eva-fastclip tune builds a Trainer per probe, each connecting again
         if self.enabled and self.world_size > 1 and self._thread is not None and self._guardian is None:
-            from eva_fastclip.engine.guardian import start_guardian
+            from eva_fastclip.reliability.guardian import start_guardian
 
             self._guardian = start_guardian(os.getpid(), self.rank, host, port, self.timeout_s)
 
@@ -203,7 +204,7 @@ class Watchdog:
         os._exit(HANG_EXIT_CODE)
 
     def _abort(self, why: str) -> None:
-        from eva_fastclip.engine.guardian import ABORT_KEY, POLL_S
+        from eva_fastclip.reliability.store import ABORT_KEY, POLL_S
 
         if self._guardian is not None:
             self._guardian.kill()
@@ -212,15 +213,6 @@ class Watchdog:
                 self._client().set(ABORT_KEY, why)
                 if self.rank == 0:  # it serves the store: the guardians read the mark before it goes
                     time.sleep(2 * POLL_S)
-
-
-def store_client(host: str, port: int):
-    """A connection of its own to the process group's store (served by rank 0), which gives up on a request
-    after 5 s: a store that does not answer is itself news (rank 0 stopped or gone)."""
-    import torch.distributed as dist
-
-    timeout = datetime.timedelta(seconds=5)
-    return dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
 
 
 def _kill_children() -> None:

@@ -12,7 +12,7 @@ and SIGKILLs its rank (and the rank's fork server, which dies with it) when
 - the store has not answered for longer than ``train.hang_timeout_s``: rank 0 is gone or stopped, so no
   collective can complete (a run that ends normally is gone long before).
 
-It ignores the stop signals (the rank saves first: engine/preemption.py) and dies with its rank.
+It ignores the stop signals (the rank saves first: reliability/preemption.py) and dies with its rank.
 """
 
 from __future__ import annotations
@@ -25,15 +25,21 @@ import subprocess
 import sys
 import time
 
-ABORT_KEY = "eva_fastclip/abort"
-POLL_S = 1.0
 #: after the mark, the aborting rank's own exit first: its launch.py then reports its code (124), not -9
 GRACE_S = 3.0
 
 
 def start_guardian(pid: int, rank: int, host: str, port: int, timeout_s: float) -> subprocess.Popen:
     """The guardian of rank ``rank`` (process ``pid``) of the run whose store is at ``host:port``."""
-    command = [sys.executable, "-m", "eva_fastclip.engine.guardian", str(pid), str(rank), host, str(port)]
+    command = [
+        sys.executable,
+        "-m",
+        "eva_fastclip.reliability.guardian",
+        str(pid),
+        str(rank),
+        host,
+        str(port),
+    ]
     return subprocess.Popen([*command, str(timeout_s)], stdin=subprocess.DEVNULL)
 
 
@@ -42,12 +48,12 @@ def _say(rank: int, message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eva_fastclip.engine.guardian")
+    parser = argparse.ArgumentParser(prog="python -m eva_fastclip.reliability.guardian")
     for name, kind in (("pid", int), ("rank", int), ("host", str), ("port", int), ("timeout_s", float)):
         parser.add_argument(name, type=kind)
     args = parser.parse_args(argv)
-    from eva_fastclip.data.workers import ignore_stop_signals
-    from eva_fastclip.engine.watchdog import store_client
+    from eva_fastclip.reliability.signals import ignore_stop_signals
+    from eva_fastclip.reliability.store import ABORT_KEY, POLL_S, store_client
 
     ignore_stop_signals()  # as a loader worker does: the stop signals ignored, and it dies with its rank
     if os.getppid() != args.pid:  # the rank ended before the line above

@@ -62,7 +62,7 @@ import PIL.Image
 import PIL.ImageEnhance
 import torch
 
-from eva_fastclip.bench.speed import cpu_model
+from benchmarks.speed import cpu_model
 from eva_fastclip.data.shards import write_shard
 from eva_fastclip.data.tar_reader import decode_image
 from eva_fastclip.data.workers import start_worker_server
@@ -107,7 +107,7 @@ def bench_shards(root: str | Path, shards: int, per_shard: int, seed: int = 0) -
     # it that this process rewrites afterwards becomes the worker's private copy, so the samples' freed
     # memory would count as worker memory that no loader allocated.
     job = json.dumps({"root": str(root), "paths": paths, "per_shard": per_shard, "seed": seed})
-    write = "import json, sys\nfrom eva_fastclip.bench.data_loader import _write_bench_shards as w\n"
+    write = "import json, sys\nfrom benchmarks.data_loader import _write_bench_shards as w\n"
     subprocess.run([sys.executable, "-c", write + "w(**json.loads(sys.argv[1]))", job], check=True)
     record.write_text(json.dumps(settings))
     return paths

@@ -71,8 +71,8 @@ class Window:
 
 def slowest_rank(window: Window, device: torch.device, forward: float = 0.0) -> tuple[Window, torch.Tensor]:
     """``window`` with the largest wait fraction and start-up over the ranks, and every rank's own work
-    in it as rows of [forward seconds, seconds waiting for the loader] (engine/stragglers.py; ``forward``:
-    this rank's). One small all-gather; every rank calls it."""
+    in it as rows of [forward seconds, seconds waiting for the loader] (reliability/stragglers.py;
+    ``forward``: this rank's). One small all-gather; every rank calls it."""
     row = torch.tensor(
         [window.wall, window.wait_fraction, window.startup, forward, window.wait], dtype=torch.float64
     )

@@ -14,7 +14,7 @@ new one. Every key of the config is one of:
 - ``fixed``: the checkpoint cannot go on under another value (the architecture, the loss, the trainable
   parameters, the per-sample table's size, the warm-up, the optimizer type, the ZeRO stage): the run
   stops before step 1 naming the key, both values and the way out.
-- ``elsewhere``: decided by other code (``train.precision``: engine/precision.py's ``for_resume``).
+- ``elsewhere``: decided by other code (``train.precision``: plan/precision.py's ``for_resume``).
 
 Each change is logged once on rank 0, e.g. ``optim.lr 0.001 -> 1e-05 on resume``. docs/checkpoints.md
 lists every key with its rule and why.
