@@ -1,7 +1,7 @@
 """The cost of the contrastive batch: cached accumulation against plain accumulation, one micro-batch of the
 whole batch, and OpenCLIP's own ``--accum-freq`` step, side by side in one run.
 
-    eva-fastclip bench-speed --accumulate 4 --model ViT-B-16 --batch-size 32
+    python -m benchmarks.accumulation --accumulate 4 --model ViT-B-16 --batch-size 32
 
 Every contestant trains the same architecture on the same global batch G of synthetic pairs, in bf16, with
 patch dropout 0 and 0.5:
@@ -24,8 +24,10 @@ features and temporaries, not the weights and moments every contestant holds ali
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,6 +35,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.command_line import run_main
 from benchmarks.speed import (
     DEFAULT_DS_CONFIG,
     MASKS,
@@ -165,34 +168,15 @@ def run_accumulation_benchmark(
 
     if accum < 2 or global_batch % accum or steps < 1 or warmup < 0:
         raise ValueError(
-            f"bench-speed --accumulate needs an accumulation >= 2 dividing --batch-size ({global_batch}), "
+            f"benchmarks.accumulation needs --accumulate >= 2 dividing --batch-size ({global_batch}), "
             "--steps >= 1 and --warmup >= 0"
         )
     if model not in open_clip.list_models():
         raise ValueError(f"--model {model!r} is not an open_clip architecture")
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
-    contestants: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="eva_fastclip_bench_") as tmp:
-        batch = None
-        for mask in MASKS:
-            contestants[f"openclip accum mask={mask:g}"] = oc = OpenClipAccumulated(model, mask, accum)
-            if batch is None:
-                context_length = open_clip.get_tokenizer(model).context_length
-                batch = synthetic_batch(
-                    global_batch, _image_size(oc.model), context_length, oc.model.vocab_size
-                )
-            for side, a, mode in (
-                ("one", 1, "micro"),
-                ("micro", accum, "micro"),
-                ("global", accum, "global"),
-            ):
-                folder = str(Path(tmp) / f"{side}_{mask:g}")
-                contestants[f"ours {side} mask={mask:g}"] = OursAccumulated(
-                    model, mask, batch, a, mode, folder, ds_config
-                )
-        order = [f"{side} mask={mask:g}" for mask in MASKS for side in SIDES]
-        contestants = {name: contestants[name] for name in order}
+        contestants, batch = _accumulation_contestants(model, global_batch, accum, ds_config, tmp)
         times, losses, _ = time_interleaved(contestants, batch, warmup, steps, threads, progress)
         peaks = {name: step_peak_bytes(contestant, batch) for name, contestant in contestants.items()}
         buckets = {name: getattr(c, "bucket_bytes", 0) for name, c in contestants.items()}
@@ -208,21 +192,8 @@ def run_accumulation_benchmark(
             "deepspeed_bucket_bytes": buckets[name],
             "losses": losses[name],
         }
-        for name in order
+        for name in contestants
     }
-    # the same bucket in every one of ours: compared without it, and stated beside
-    net = {name: peaks[name] - buckets[name] for name in order}
-    ratios = {}
-    for mask in MASKS:
-        m = f"mask={mask:g}"
-        ratios[f"global_over_micro_time_{m}"] = medians[f"ours global {m}"] / medians[f"ours micro {m}"]
-        ratios[f"global_over_openclip_accum_time_{m}"] = (
-            medians[f"ours global {m}"] / medians[f"openclip accum {m}"]
-        )
-        ratios[f"global_over_one_time_{m}"] = medians[f"ours global {m}"] / medians[f"ours one {m}"]
-        ratios[f"global_over_micro_peak_{m}"] = net[f"ours global {m}"] / net[f"ours micro {m}"]
-        ratios[f"global_over_one_peak_{m}"] = net[f"ours global {m}"] / net[f"ours one {m}"]
-        ratios[f"global_over_openclip_accum_peak_{m}"] = net[f"ours global {m}"] / net[f"openclip accum {m}"]
     results = {
         "config": {
             "model": model,
@@ -240,10 +211,52 @@ def run_accumulation_benchmark(
             "allocate alike at every backward (deepspeed_bucket_bytes)",
         },
         "contestants": by_name,
-        "ratios": ratios,
+        "ratios": accumulation_ratios(medians, peaks, buckets),
         "environment": environment(threads),
     }
     return write_results(results, output)
+
+
+def _accumulation_contestants(
+    model: str, global_batch: int, accum: int, ds_config: str, tmp: str
+) -> tuple[dict[str, Any], Any]:
+    """The 8 contestants in the report's order, and the one global batch they all step on."""
+    import open_clip
+
+    contestants: dict[str, Any] = {}
+    batch = None
+    for mask in MASKS:
+        contestants[f"openclip accum mask={mask:g}"] = oc = OpenClipAccumulated(model, mask, accum)
+        if batch is None:
+            context_length = open_clip.get_tokenizer(model).context_length
+            batch = synthetic_batch(global_batch, _image_size(oc.model), context_length, oc.model.vocab_size)
+        for side, a, mode in (("one", 1, "micro"), ("micro", accum, "micro"), ("global", accum, "global")):
+            folder = str(Path(tmp) / f"{side}_{mask:g}")
+            contestants[f"ours {side} mask={mask:g}"] = OursAccumulated(
+                model, mask, batch, a, mode, folder, ds_config
+            )
+    order = [f"{side} mask={mask:g}" for mask in MASKS for side in SIDES]
+    return {name: contestants[name] for name in order}, batch
+
+
+def accumulation_ratios(
+    medians: dict[str, float], peaks: dict[str, int], buckets: dict[str, int]
+) -> dict[str, float]:
+    """Ours global over the other sides, in time and in peak memory, per mask."""
+    # the same bucket in every one of ours: compared without it, and stated beside
+    net = {name: peaks[name] - buckets[name] for name in peaks}
+    ratios = {}
+    for mask in MASKS:
+        m = f"mask={mask:g}"
+        ratios[f"global_over_micro_time_{m}"] = medians[f"ours global {m}"] / medians[f"ours micro {m}"]
+        ratios[f"global_over_openclip_accum_time_{m}"] = (
+            medians[f"ours global {m}"] / medians[f"openclip accum {m}"]
+        )
+        ratios[f"global_over_one_time_{m}"] = medians[f"ours global {m}"] / medians[f"ours one {m}"]
+        ratios[f"global_over_micro_peak_{m}"] = net[f"ours global {m}"] / net[f"ours micro {m}"]
+        ratios[f"global_over_one_peak_{m}"] = net[f"ours global {m}"] / net[f"ours one {m}"]
+        ratios[f"global_over_openclip_accum_peak_{m}"] = net[f"ours global {m}"] / net[f"openclip accum {m}"]
+    return ratios
 
 
 def format_accumulation_report(results: dict[str, Any]) -> str:
@@ -267,3 +280,44 @@ def format_accumulation_report(results: dict[str, Any]) -> str:
         ]
         lines.append(f"{label:<32}" + "".join(f"{v:>13.2f}x" for v in row))
     return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.accumulation", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--accumulate",
+        type=int,
+        default=4,
+        metavar="A",
+        help="the global batch --batch-size in A micro-batches, micro and global contrastive batch against "
+        "one micro-batch and OpenCLIP's --accum-freq A step (time and peak memory; default 4)",
+    )
+    p.add_argument("--model", default="ViT-B-16", help="open_clip architecture for every contestant")
+    p.add_argument("--batch-size", type=int, default=8, help="the global batch")
+    p.add_argument("--steps", type=int, default=5, help="timed rounds (one step of each contestant each)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per contestant first")
+    p.add_argument("--deepspeed-config", default=DEFAULT_DS_CONFIG, help="our engine's JSON")
+    p.add_argument("--output", default="runs/bench/accumulation.json", help="JSON file for all results")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    def run(args) -> int:
+        results = run_accumulation_benchmark(
+            model=args.model,
+            global_batch=args.batch_size,
+            accum=args.accumulate,
+            steps=args.steps,
+            warmup=args.warmup,
+            ds_config=args.deepspeed_config,
+            output=args.output,
+        )
+        print(format_accumulation_report(results), flush=True)
+        print(f"full results: {results['output']}", flush=True)
+        return 0
+
+    return run_main(build_parser(), run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

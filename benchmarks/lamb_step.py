@@ -1,6 +1,10 @@
-"""`eva-fastclip bench-lamb`: the time of one LAMB optimizer step, trust ratio per model tensor (ours,
-optim/lamb.py) against per flat ZeRO partition (DeepSpeed's rule, eva_fastclip's before), and DeepSpeed's
-FusedLamb (per partition, its CUDA kernel) where CUDA is present.
+"""LAMB optimizer step time: trust ratio per tensor against per ZeRO partition (and FusedLamb).
+
+The time of one LAMB optimizer step with the trust ratio per model tensor (ours, optim/lamb.py), per flat
+ZeRO partition (DeepSpeed's rule, eva_fastclip's before), and DeepSpeed's FusedLamb (per partition, its
+CUDA kernel) where CUDA is present.
+
+    python -m benchmarks.lamb_step [--width 768] [--layers 12] [--rounds 7] [--device cuda]
 
 The parameters have a ViT-B/16 vision tower's shapes (86M by default), grouped as EVA-CLIP groups them (one
 group per layer and decay or not, engine/setup.py) and flattened as ZeRO-1 lays a group out on one rank:
@@ -14,8 +18,10 @@ step and the ratios to the per-partition step. On K ranks the per-tensor rule ad
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
+import sys
 import time
 from datetime import date
 from pathlib import Path
@@ -23,8 +29,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.speed import cpu_model
+from benchmarks.command_line import run_main
 from eva_fastclip.optim.lamb import Fragment, Lamb
+from eva_fastclip.plan.precision import cpu_model
 
 PER_PARTITION, PER_TENSOR, FUSED = "per_zero_partition", "per_tensor", "fused_lamb"
 
@@ -174,3 +181,29 @@ def _timed_step(optimizer: torch.optim.Optimizer, device: torch.device) -> float
 
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.lamb_step", description=__doc__.splitlines()[0])
+    p.add_argument("--width", type=int, default=768, help="ViT width of the parameter set (ViT-B/16: 768)")
+    p.add_argument("--layers", type=int, default=12, help="ViT blocks of the parameter set")
+    p.add_argument("--rounds", type=int, default=7, help="timed steps of each contestant, alternating")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda where present)")
+    p.add_argument("--output", default="runs/bench/lamb_step.json", help="JSON file for all step times")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    def run(args) -> int:
+        results = run_lamb_benchmark(
+            width=args.width, layers=args.layers, rounds=args.rounds, device=args.device, output=args.output
+        )
+        print(format_lamb_report(results), flush=True)
+        print(f"full results: {results['output']}", flush=True)
+        return 0
+
+    return run_main(build_parser(), run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

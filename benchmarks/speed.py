@@ -1,5 +1,7 @@
 """Training-step speed: our DeepSpeed step against OpenCLIP's own step, with and without 50% masking.
 
+    python -m benchmarks.speed [--model ViT-B-16] [--batch-size 8] [--steps 5] [--warmup 2]
+
 Four contestants, (ours, openclip) x (patch dropout 0.0, 0.5), share one process, one architecture, one
 batch size and one precision (bf16). Each is warmed up, then the timed steps are interleaved round-robin
 (one step of each contestant per round, the starting contestant rotating), so a slow phase of the machine
@@ -15,12 +17,14 @@ OpenCLIP at equal masking, and each side's speed-up from masking. On CPU only th
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import math
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -28,6 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from benchmarks.command_line import run_main
+from eva_fastclip.plan.precision import cpu_model
 
 MASKS = (0.0, 0.5)
 DEFAULT_DS_CONFIG = "ds_configs/zero1_bf16_lamb.json"
@@ -142,7 +149,7 @@ def bench_trainer(
     """A Trainer of the default recipe with OpenCLIP's loss, fed ``batch`` by a synthetic loader (an epoch
     of ``micro_batches``: the caller feeds ``train_step`` itself)."""
     from eva_fastclip.config import load_config
-    from eva_fastclip.engine.trainer import Trainer
+    from eva_fastclip.engine.build import build_trainer
     from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 
     cfg = load_config(
@@ -160,7 +167,9 @@ def bench_trainer(
             *extra,
         ],
     )
-    return Trainer(cfg, load_deepspeed_config(ds_config_path), loader=SyntheticLoader(batch, micro_batches))
+    return build_trainer(
+        cfg, load_deepspeed_config(ds_config_path), loader=SyntheticLoader(batch, micro_batches)
+    )
 
 
 class OursStep:
@@ -235,7 +244,7 @@ def time_interleaved(
             losses[name].append(contestant.step(*batch))
     times: dict[str, list[float]] = {name: [] for name in order}
     phases: dict[str, dict[str, list[float]]] = {name: {} for name in order}
-    for r in tqdm(range(rounds), desc="bench-speed", unit="round", disable=not progress):
+    for r in tqdm(range(rounds), desc="timed rounds", unit="round", disable=not progress):
         for k in range(len(order)):
             name = order[(r + k) % len(order)]  # rotate who goes first
             if torch.get_num_threads() != threads:
@@ -247,17 +256,6 @@ def time_interleaved(
             for phase, seconds in getattr(contestants[name], "phases", {}).items():
                 phases[name].setdefault(phase, []).append(seconds)
     return times, losses, phases
-
-
-def cpu_model() -> str:
-    """The processor's name as /proc/cpuinfo gives it (benchmarks record it beside their figures)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _versions() -> dict[str, str]:
@@ -294,74 +292,19 @@ def run_speed_benchmark(
     import eva_fastclip.models  # noqa: F401  (registers the shipped toy architectures with open_clip)
 
     if steps < 1 or warmup < 0 or batch_size < 1:
-        raise ValueError("bench-speed needs --steps >= 1, --warmup >= 0 and --batch-size >= 1")
+        raise ValueError("benchmarks.speed needs --steps >= 1, --warmup >= 0 and --batch-size >= 1")
     if model not in open_clip.list_models():
         raise ValueError(f"--model {model!r} is not an open_clip architecture")
-    from eva_fastclip.plan.precision import detect_hardware
-
-    hardware = detect_hardware()
-    if not hardware.native_bf16:  # both contestants run bf16: the ratio holds, the absolute times do not
-        warnings.warn(
-            f"{hardware.description} only emulates bf16, which both contestants use: their ratio is like "
-            "for like, but neither time says anything about training here (train.precision=auto picks fp32)",
-            stacklevel=2,
-        )
+    _warn_if_bf16_is_emulated()
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
-
-    contestants: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="eva_fastclip_bench_") as tmp:
-        batch = None
-        for mask in MASKS:
-            name = contestant_name("openclip", mask)
-            contestants[name] = OpenClipStep(model, mask)
-            if batch is None:  # built once, before any timing, from the architecture's own sizes
-                oc = contestants[name].model
-                context_length = open_clip.get_tokenizer(model).context_length
-                batch = synthetic_batch(batch_size, _image_size(oc), context_length, oc.vocab_size)
-        for mask in MASKS:
-            name = contestant_name("ours", mask)
-            contestants[name] = OursStep(
-                model, mask, batch_size, batch, str(Path(tmp) / f"ours_{mask:g}"), ds_config
-            )
-        order = [contestant_name(side, mask) for mask in MASKS for side in ("ours", "openclip")]
-        contestants = {name: contestants[name] for name in order}
-
+        contestants, batch = _speed_contestants(model, batch_size, ds_config, tmp)
         times, losses, phases = time_interleaved(contestants, batch, warmup, steps, threads, progress)
         for contestant in contestants.values():
             contestant.close()
-
-    results_by_name = {}
-    for name in order:
-        median = statistics.median(times[name])
-        results_by_name[name] = {
-            "step_times_s": times[name],
-            "median_s": median,
-            "min_s": min(times[name]),
-            "samples_per_s": batch_size / median,
-            "losses": losses[name],
-            "phases_median_s": {k: statistics.median(v) for k, v in phases[name].items()},
-            "phase_times_s": phases[name],
-        }
-    med = {name: r["median_s"] for name, r in results_by_name.items()}
-    o0, o5 = contestant_name("ours", 0.0), contestant_name("ours", 0.5)
-    c0, c5 = contestant_name("openclip", 0.0), contestant_name("openclip", 0.5)
-    ratios = {
-        "ours_over_openclip_mask0": med[c0] / med[o0],
-        "ours_over_openclip_mask0.5": med[c5] / med[o5],
-        "masking_speedup_ours": med[o0] / med[o5],
-        "masking_speedup_openclip": med[c0] / med[c5],
-    }
-    # the model's own work, forward + backward, without the optimizer step
-    compute = {
-        name: r["phases_median_s"]["forward"] + r["phases_median_s"]["backward"]
-        for name, r in results_by_name.items()
-    }
-    ratios |= {
-        "compute_ours_over_openclip_mask0": compute[c0] / compute[o0],
-        "compute_ours_over_openclip_mask0.5": compute[c5] / compute[o5],
-        "compute_masking_speedup_ours": compute[o0] / compute[o5],
-        "compute_masking_speedup_openclip": compute[c0] / compute[c5],
+    by_name = {
+        name: _contestant_result(times[name], losses[name], phases[name], batch_size) for name in contestants
     }
     results = {
         "config": {
@@ -378,11 +321,79 @@ def run_speed_benchmark(
             "timing": "time.perf_counter around one step; rounds interleave the four contestants "
             "round-robin, the first one rotating each round; median per contestant",
         },
-        "contestants": results_by_name,
-        "ratios": ratios,
+        "contestants": by_name,
+        "ratios": speed_ratios(by_name),
         "environment": environment(threads),
     }
     return write_results(results, output)
+
+
+def _warn_if_bf16_is_emulated() -> None:
+    from eva_fastclip.plan.precision import detect_hardware
+
+    hardware = detect_hardware()
+    if not hardware.native_bf16:  # both contestants run bf16: the ratio holds, the absolute times do not
+        warnings.warn(
+            f"{hardware.description} only emulates bf16, which both contestants use: their ratio is like "
+            "for like, but neither time says anything about training here (train.precision=auto picks fp32)",
+            stacklevel=3,
+        )
+
+
+def _speed_contestants(model: str, batch_size: int, ds_config: str, tmp: str) -> tuple[dict[str, Any], Any]:
+    """The four contestants in the report's order, and the one batch they all step on, built from the
+    architecture's own sizes before any timing."""
+    import open_clip
+
+    contestants: dict[str, Any] = {}
+    batch = None
+    for mask in MASKS:
+        name = contestant_name("openclip", mask)
+        contestants[name] = OpenClipStep(model, mask)
+        if batch is None:
+            oc = contestants[name].model
+            context_length = open_clip.get_tokenizer(model).context_length
+            batch = synthetic_batch(batch_size, _image_size(oc), context_length, oc.vocab_size)
+    for mask in MASKS:
+        name = contestant_name("ours", mask)
+        folder = str(Path(tmp) / f"ours_{mask:g}")
+        contestants[name] = OursStep(model, mask, batch_size, batch, folder, ds_config)
+    order = [contestant_name(side, mask) for mask in MASKS for side in ("ours", "openclip")]
+    return {name: contestants[name] for name in order}, batch
+
+
+def _contestant_result(times: list[float], losses: list[float], phases: dict, batch_size: int) -> dict:
+    median = statistics.median(times)
+    return {
+        "step_times_s": times,
+        "median_s": median,
+        "min_s": min(times),
+        "samples_per_s": batch_size / median,
+        "losses": losses,
+        "phases_median_s": {k: statistics.median(v) for k, v in phases.items()},
+        "phase_times_s": phases,
+    }
+
+
+def speed_ratios(by_name: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Ours over OpenCLIP at equal masking and each side's masking speed-up (>1: the first is faster), of
+    the whole step and of the model's own work (forward + backward, without the optimizer step)."""
+    med = {name: r["median_s"] for name, r in by_name.items()}
+    compute = {
+        name: r["phases_median_s"]["forward"] + r["phases_median_s"]["backward"]
+        for name, r in by_name.items()
+    }
+    o0, o5 = contestant_name("ours", 0.0), contestant_name("ours", 0.5)
+    c0, c5 = contestant_name("openclip", 0.0), contestant_name("openclip", 0.5)
+    ratios = {}
+    for prefix, t in (("", med), ("compute_", compute)):
+        ratios |= {
+            f"{prefix}ours_over_openclip_mask0": t[c0] / t[o0],
+            f"{prefix}ours_over_openclip_mask0.5": t[c5] / t[o5],
+            f"{prefix}masking_speedup_ours": t[o0] / t[o5],
+            f"{prefix}masking_speedup_openclip": t[c0] / t[c5],
+        }
+    return ratios
 
 
 def environment(threads: int) -> dict[str, Any]:
@@ -434,3 +445,35 @@ def format_report(results: dict[str, Any]) -> str:
         f"{ratios['compute_masking_speedup_openclip']:>17.2f}x",
     ]
     return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.speed", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="ViT-B-16", help="open_clip architecture for both contestants")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=5, help="timed rounds (one step of each contestant each)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per contestant first")
+    p.add_argument("--deepspeed-config", default=DEFAULT_DS_CONFIG, help="our engine's JSON")
+    p.add_argument("--output", default="runs/bench/speed.json", help="JSON file for all step times")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    def run(args) -> int:
+        results = run_speed_benchmark(
+            model=args.model,
+            batch_size=args.batch_size,
+            steps=args.steps,
+            warmup=args.warmup,
+            ds_config=args.deepspeed_config,
+            output=args.output,
+        )
+        print(format_report(results), flush=True)
+        print(f"full results: {results['output']}", flush=True)
+        return 0
+
+    return run_main(build_parser(), run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -32,7 +32,8 @@ TRUNK_DIR = "vision_trunk"  # a stand-in timm trunk's config.json, apart from a 
 
 
 def read_client_state(folder: Path) -> dict[str, Any]:
-    """Our client state (step, config, ...) from a DeepSpeed checkpoint folder, read without an engine."""
+    """DeepSpeed's model states of a checkpoint folder (the module, its JSON, our client state), read without
+    an engine."""
     states = sorted(folder.glob("mp_rank_*_model_states.pt"))
     if not states:
         raise FileNotFoundError(f"{folder} holds no DeepSpeed model states (mp_rank_*_model_states.pt)")
@@ -68,7 +69,7 @@ def export_open_clip(folder: Path, output: Path, verify: bool = True) -> dict[st
 
 def _export_state_dict(folder: Path, output: Path, verify: bool) -> dict[str, Any]:
     state_dict = to_open_clip_state_dict(consolidated_state_dict(folder))
-    model_cfg = read_client_state(folder)["config"]["model"]
+    model_cfg = checkpoint.saved_settings(folder)["config"]["model"]
     arch = model_cfg["name"]
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(output.name + ".tmp")
@@ -109,7 +110,7 @@ def _export_folder(folder: Path, output: Path, verify: bool) -> dict[str, Any]:
             f"{output} exists and is no earlier export (no {HF_CONFIG_NAME} in it): choose a new "
             "path, or a .pt file for a state dict"
         )
-    saved = read_client_state(folder)["config"]["model"]
+    saved = checkpoint.saved_settings(folder)["config"]["model"]
     arch, text_hf_model = saved["name"], saved.get("text_hf_model")
     hf_kwargs = {}
     if text_hf_model is not None:

@@ -2,11 +2,11 @@
 # The training-step benchmark of docs/benchmarks.md on one GPU: our DeepSpeed step (LAMB, then AdamW) against
 # OpenCLIP's own step, at a batch a GPU is meant for; then (BENCH_ACCUM=0 skips it) the cost of the contrastive
 # batch: the global batch ACCUM_BATCH in 4 micro-batches, micro and global (cached) accumulation against one
-# micro-batch and OpenCLIP's own --accum-freq 4 step; then (BENCH_DATA=0 skips it) bench-data with --device
-# cuda: both loaders feeding the GPU, and ours with the JPEGs decoded there (data.image_decode=gpu); then
+# micro-batch and OpenCLIP's own --accum-freq 4 step; then (BENCH_DATA=0 skips it) benchmarks.data_loader with
+# --device cuda: both loaders feeding the GPU, and ours with the JPEGs decoded there (data.image_decode=gpu); then
 # (BENCH_TUNE=0 skips it) tune on ViT-B-16: its estimates against torch.cuda.max_memory_allocated, the LAION
 # preset tuned for this GPU on toy shards, 200 steps of the tuned config, and its speed against the preset's layout.
-# Run from the repository root:
+# Run from the repository root (the benchmarks are python -m benchmarks.NAME there):
 #   bash launchers/bench_gpu.sh                 # MODEL=ViT-B-16 BATCH=128 STEPS=20 by default
 # On a machine without DeepSpeed / open_clip / webdataset but with a .whl/ folder of their wheels (this project's
 # lent GPU machines: see the device README in shared/), they are installed under ~/site first.
@@ -21,31 +21,31 @@ if ! python3 -c "import deepspeed, open_clip, webdataset" 2>/dev/null; then
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || echo "bench_gpu.sh: no nvidia-smi, no GPU to report"
 for optim in lamb adamw; do
-  python3 -m eva_fastclip bench-speed --model "${MODEL:-ViT-B-16}" --batch-size "${BATCH:-128}" \
+  python3 -m benchmarks.speed --model "${MODEL:-ViT-B-16}" --batch-size "${BATCH:-128}" \
     --steps "${STEPS:-20}" --warmup 5 --deepspeed-config "ds_configs/zero1_bf16_${optim}.json" \
     --output "$out/speed_${optim}_gpu.json" > "$out/speed_${optim}_gpu.log" 2>&1 || { tail -40 "$out/speed_${optim}_gpu.log"; exit 1; }
 done
 for optim in lamb adamw; do echo "== ds_configs/zero1_bf16_${optim}.json"; tail -11 "$out/speed_${optim}_gpu.log"; done
 if [ "${BENCH_ACCUM:-1}" = 1 ]; then
-  python3 -m eva_fastclip bench-speed --accumulate 4 --model "${MODEL:-ViT-B-16}" --batch-size "${ACCUM_BATCH:-512}" \
+  python3 -m benchmarks.accumulation --accumulate 4 --model "${MODEL:-ViT-B-16}" --batch-size "${ACCUM_BATCH:-512}" \
     --steps "${ACCUM_STEPS:-10}" --warmup 2 --output "$out/accumulation_gpu.json" > "$out/accumulation_gpu.log" 2>&1 \
     || { tail -40 "$out/accumulation_gpu.log"; exit 1; }
-  echo "== bench-speed --accumulate 4"; tail -16 "$out/accumulation_gpu.log"
+  echo "== benchmarks.accumulation --accumulate 4"; tail -16 "$out/accumulation_gpu.log"
 fi
 if [ "${BENCH_DATA:-1}" = 1 ]; then
   # writes its photo shards first (data/bench_loader); needs scikit-learn (the photos) and open_clip_train
   if python3 -c "import sklearn, open_clip_train" 2>/dev/null; then
-    python3 -m eva_fastclip bench-data --device cuda --shards 8 --workers 2 8 --repeats 1 \
+    python3 -m benchmarks.data_loader --device cuda --shards 8 --workers 2 8 --repeats 1 \
       --output "$out/data_gpu" > "$out/data_gpu.log" 2>&1 || { tail -40 "$out/data_gpu.log"; exit 1; }
-    echo "== bench-data --device cuda"; grep -v " INFO " "$out/data_gpu.log" | tail -22
+    echo "== benchmarks.data_loader --device cuda"; grep -v " INFO " "$out/data_gpu.log" | tail -22
   else
-    echo "bench_gpu.sh: bench-data skipped: scikit-learn or open_clip_train is not installed"
+    echo "bench_gpu.sh: benchmarks.data_loader skipped: scikit-learn or open_clip_train is not installed"
   fi
 fi
 if [ "${BENCH_TUNE:-1}" = 1 ]; then
   python3 -m benchmarks.tune_estimate --models ViT-B-16 --micro 64 128 --stages 0 \
     --output "$out/tune_estimate_gpu.json" > "$out/tune_estimate_gpu.log" 2>&1 || { tail -40 "$out/tune_estimate_gpu.log"; exit 1; }
-  echo "== bench.tune_estimate (ViT-B-16)"; grep "^|\|worst" "$out/tune_estimate_gpu.log" | tail -8
+  echo "== benchmarks.tune_estimate (ViT-B-16)"; grep "^|\|worst" "$out/tune_estimate_gpu.log" | tail -8
   [ -d data/toy_gpu ] || python3 -m eva_fastclip toy-data --output data/toy_gpu --num-train 8192 > /dev/null
   laion=(--config configs/laion_vitb16_fastclip_v3.json --set 'data.train_shards=["data/toy_gpu/train"]'
          --set data.num_samples=null --set data.index_size=null --set train.global_batch=1024
@@ -60,5 +60,5 @@ if [ "${BENCH_TUNE:-1}" = 1 ]; then
     --layout tuned="$out/tuned_gpu.json" --set 'data.train_shards=["data/toy_gpu/train"]' --set data.num_samples=null \
     --set data.index_size=null --set train.global_batch=1024 --set eval.imagenet_val=null \
     --output "$out/tune_layouts_gpu.json" > "$out/tune_layouts_gpu.log" 2>&1 || { tail -40 "$out/tune_layouts_gpu.log"; exit 1; }
-  echo "== bench.tune_layouts (preset against tuned)"; grep "^|" "$out/tune_layouts_gpu.log"
+  echo "== benchmarks.tune_layouts (preset against tuned)"; grep "^|" "$out/tune_layouts_gpu.log"
 fi

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from eva_fastclip.config import load_config
+from eva_fastclip.engine.build import build_trainer
 from eva_fastclip.engine.trainer import Trainer
 
 POOL, DATASET, ACCUM, STEPS = 8, 32, 2, 2
@@ -68,7 +69,7 @@ def make_trainer(out: Path, loss: str, micro: int, accum: int = ACCUM) -> Traine
             "eval.retrieval_shards=null",
         ],
     )
-    return Trainer(cfg, ds, loader=StandIn())
+    return build_trainer(cfg, ds, loader=StandIn())
 
 
 def run(trainer: Trainer, steps, order=tuple(range(ACCUM)), micro_batches=None) -> dict:

@@ -21,6 +21,7 @@ from engine_state import full_state
 __all__ = ["full_state"]  # (tests read the engine's state through this module)
 
 from eva_fastclip.config import load_config
+from eva_fastclip.engine.build import build_trainer
 from eva_fastclip.engine.trainer import Trainer
 
 DATASET, STEPS = 32, 3
@@ -88,7 +89,7 @@ def make_trainer(
             "eval.retrieval_shards=null",
         ],
     )
-    return Trainer(cfg, ds, loader=StandIn(accum))
+    return build_trainer(cfg, ds, loader=StandIn(accum))
 
 
 def run(trainer: Trainer, steps=None) -> dict:

@@ -15,7 +15,7 @@ import torch
 from launching import launch_ranks
 
 from eva_fastclip.config import load_config
-from eva_fastclip.engine.trainer import Trainer
+from eva_fastclip.engine.build import build_trainer
 
 BATCH, DATASET = 8, 32
 
@@ -58,7 +58,7 @@ def make_trainer(tmp_path, stage):
             "eval.retrieval_shards=null",
         ],
     )
-    return Trainer(cfg, ds, loader=TwoMicroBatches())
+    return build_trainer(cfg, ds, loader=TwoMicroBatches())
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +169,7 @@ def test_the_order_of_the_micro_batches_does_not_change_the_step(tmp_path, caplo
     micro-batches in the other order take the same step (fastclip_v2: u and the individual tau_i). The
     start-up log states the layout."""
     steps = layouts.step_pairs()
-    with caplog.at_level("INFO", logger="eva_fastclip.engine.trainer"):
+    with caplog.at_level("INFO", logger="eva_fastclip"):
         trainer = layouts.make_trainer(tmp_path / "a", "fastclip_v2", layouts.POOL)
     assert (
         "batch: global batch 16 = 1 rank(s) x 16 pairs (2 micro-batch(es) of 8 accumulated); each loss "

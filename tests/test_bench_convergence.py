@@ -15,17 +15,9 @@ import torch
 from PIL import Image
 
 from benchmarks import convergence
-from benchmarks.convergence import (
-    MemoryLoader,
-    RunSpec,
-    load_results,
-    paired_differences,
-    random_resized_crop,
-    results_table,
-    t_quantile,
-    verdict,
-)
-from eva_fastclip.cli import build_parser
+from benchmarks.convergence_grid import DEFAULT_MODEL, VARIANTS, RunSpec, plan_runs
+from benchmarks.convergence_report import paired_differences, plot_curves, results_table, t_quantile, verdict
+from benchmarks.convergence_run import MemoryLoader, load_results, random_resized_crop, run_one, write_json
 from eva_fastclip.data import read_manifest
 from eva_fastclip.data.openclipart import clean_words, make_caption, render, write_openclipart_dataset
 from eva_fastclip.evaluation.sets import read_pair_shards, read_wds_folder
@@ -303,7 +295,7 @@ def test_t_quantiles():
 
 
 def test_resume_skips_finished_runs_and_refuses_other_settings(tmp_path):
-    specs = convergence.plan_runs(
+    specs = plan_runs(
         ["openclip", "fastclip_v3"],
         [64],
         [0, 1],
@@ -320,7 +312,7 @@ def test_resume_skips_finished_runs_and_refuses_other_settings(tmp_path):
         "openclip-b64-s1",
         "fastclip_v3-b64-s1",
     ]
-    convergence.write_json(
+    write_json(
         tmp_path / "results" / "fastclip_v3-b64-s0.json", fake_record("fastclip_v3", 64, 0, (0.3, 0.1, 0.1))
     )
     done, todo = load_results(tmp_path, specs)
@@ -337,7 +329,7 @@ def test_resume_skips_finished_runs_and_refuses_other_settings(tmp_path):
 def test_every_variant_is_a_valid_config(tmp_path):
     from eva_fastclip.config import load_config
 
-    for variant in convergence.VARIANTS:
+    for variant in VARIANTS:
         spec = RunSpec(variant, 64, 0, 30, "bench-vit-xs", 2, 1, 1000, 32)
         cfg = load_config(None, spec.overrides(tmp_path, tmp_path / "run"))
         assert cfg.train.precision == "fp32" and cfg.train.epochs == 30
@@ -352,7 +344,7 @@ def test_plot_is_written(tmp_path):
         for b in (64, 256)
         for s in (0, 1)
     ]
-    path = convergence.plot_curves(records, tmp_path / "curves.png", title="test")
+    path = plot_curves(records, tmp_path / "curves.png", title="test")
     assert Image.open(path).format == "PNG"
 
 
@@ -360,8 +352,8 @@ def test_one_tiny_run_end_to_end(fake, tmp_path):
     """MemoryLoader -> Trainer -> TensorBoard read-back -> result JSON -> the resume check and the table."""
     num_train = fake["summary"]["num_train"]
     # fastclip_v3 keeps per-sample state: the loader's indices and table size reach the loss
-    spec = RunSpec("fastclip_v3", 4, 0, 1, convergence.DEFAULT_MODEL, 1, 0, num_train, 8)
-    record = convergence.run_one(spec, fake["out"], tmp_path, threads=torch.get_num_threads())
+    spec = RunSpec("fastclip_v3", 4, 0, 1, DEFAULT_MODEL, 1, 0, num_train, 8)
+    record = run_one(spec, fake["out"], tmp_path, threads=torch.get_num_threads())
     saved = json.loads((tmp_path / "results" / f"{spec.name}.json").read_text())
     assert saved == record
     assert record["steps_per_epoch"] == record["total_steps"] == num_train // 4
@@ -378,5 +370,5 @@ def test_one_tiny_run_end_to_end(fake, tmp_path):
 
 
 def test_cli_defaults_are_the_full_benchmark():
-    args = build_parser().parse_args(["bench-convergence"])
+    args = convergence.build_parser().parse_args([])
     assert (args.epochs, args.seeds, args.batches, args.variants) == (30, [0, 1, 2], [64, 256], None)

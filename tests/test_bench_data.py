@@ -1,6 +1,6 @@
-"""`eva-fastclip bench-data` on tiny shards: the photo shards it writes, its CPU accounting against the
-kernel's own after-exit count, OpenCLIP's loader as patched, and one short run of both loaders (the
-report's structure, equal samples and shapes; no timing is asserted)."""
+"""`python -m benchmarks.data_loader` on tiny shards: the photo shards it writes, its CPU accounting
+against the kernel's own after-exit count, OpenCLIP's loader as patched, and one short run of both loaders
+(the report's structure, equal samples and shapes; no timing is asserted)."""
 
 import hashlib
 import io
@@ -15,13 +15,14 @@ import open_clip
 import pytest
 from PIL import Image
 
-from benchmarks import data_loader
-from eva_fastclip.cli import main
+from benchmarks import data_contestants, data_floor, data_loader, data_shards
+from benchmarks.data_loader import main
+from eva_fastclip.data import throughput
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    return data_loader.bench_shards(tmp_path_factory.mktemp("bench") / "shards", shards=2, per_shard=24)
+    return data_shards.bench_shards(tmp_path_factory.mktemp("bench") / "shards", shards=2, per_shard=24)
 
 
 def test_shards_are_distinct_photos_in_img2dataset_layout(shards):
@@ -51,39 +52,41 @@ def test_shards_are_distinct_photos_in_img2dataset_layout(shards):
 def test_shards_are_reused_when_the_settings_match(shards):
     root = Path(shards["256px"][0]).parent.parent
     before = {url: Path(url).stat().st_mtime_ns for urls in shards.values() for url in urls}
-    assert data_loader.bench_shards(root, shards=2, per_shard=24) == shards
+    assert data_shards.bench_shards(root, shards=2, per_shard=24) == shards
     assert {url: Path(url).stat().st_mtime_ns for url in before} == before
 
 
 def test_worker_cpu_time_read_alive_matches_the_kernels_count_after_exit():
     burn = "import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
     burn += "print('done', flush=True)\nsys.stdin.read()\n"
-    data_loader.wait_for_workers_to_exit()  # no other child may be reaped in between
+    throughput.wait_for_workers_to_exit()  # no other child may be reaped in between
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert child.stdout.readline().strip() == b"done"
-    assert child.pid in data_loader._children()
-    alive = data_loader._cpu_seconds(child.pid)
-    rss, private = data_loader._memory_mib(child.pid)
+    assert child.pid in throughput.descendants()
+    alive = throughput.cpu_seconds(child.pid)
+    rss, private = throughput.memory_mib(child.pid)
     child.communicate(b"")
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     exited = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     assert alive >= 0.25
     assert abs(alive - exited) < 0.05  # the clock-tick rounding and the last read
     assert rss > 0 and 0 < private <= rss
-    assert data_loader._cpu_seconds(child.pid) == 0.0  # gone
+    assert throughput.cpu_seconds(child.pid) == 0.0  # gone
 
 
 def test_openclip_loader_runs_patched_and_restored(shards):
     _, preprocess, _ = open_clip.create_model_and_transforms("ViT-B-16")
     tokenizer = open_clip.get_tokenizer("ViT-B-16")
-    openclip_data = data_loader._openclip_data()
+    openclip_data = data_contestants.openclip_data()
     original = openclip_data.group_by_keys_nothrow
-    unpatched, _ = data_loader.openclip_batches(shards["256px"], preprocess, tokenizer, 8, 0, 0)
+    unpatched, _ = data_contestants.openclip_batches(shards["256px"], preprocess, tokenizer, 8, 0, 0)
     with pytest.raises(KeyError, match="fname"):  # why the patch: webdataset 1.0's end-of-shard marker
         list(unpatched)
-    with data_loader.openclip_patched():
-        loader, num_batches = data_loader.openclip_batches(shards["256px"], preprocess, tokenizer, 8, 0, 0)
+    with data_contestants.openclip_patched():
+        loader, num_batches = data_contestants.openclip_batches(
+            shards["256px"], preprocess, tokenizer, 8, 0, 0
+        )
         batches = list(loader)
     assert openclip_data.group_by_keys_nothrow is original
     assert num_batches == len(batches) == 6  # 48 samples, batches of 8: every sample once
@@ -98,7 +101,7 @@ def short_run(shards, output, **options):
 
 
 def test_one_short_run_of_both_loaders(shards, tmp_path):
-    before = set(data_loader._children())
+    before = set(throughput.descendants())
     results = short_run(shards, tmp_path / "out", batches=3)
     written = json.loads((tmp_path / "out" / "data_loader.json").read_text())
     assert written["summary"] == results["summary"]
@@ -117,21 +120,20 @@ def test_one_short_run_of_both_loaders(shards, tmp_path):
     )
     floor = results["floor"]["256px"]
     assert floor["pil_samples_per_cpu_s"] > 0 and floor["torchvision_samples_per_cpu_s"] > 0
-    assert set(floor["stages_ms"]) == {key for key, _ in data_loader.STAGES}
+    assert set(floor["stages_ms"]) == {key for key, _ in data_floor.STAGES}
     assert all(ms > 0 for ms in floor["stages_ms"].values())
     assert "Per-sample CPU time by stage" in markdown and "| **ours, all stages** |" in markdown
     # every worker stopped; what stays is our workers' fork server and multiprocessing's resource tracker
-    left = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in set(data_loader._children()) - before]
+    left = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in set(throughput.descendants()) - before]
     assert all(b"forkserver import main" in cmd or b"resource_tracker" in cmd for cmd in left), left
 
 
 def test_bad_worker_counts_are_refused_before_any_work(tmp_path, capsys):
-    argv = ["bench-data", "--data", str(tmp_path / "d"), "--shards", "3", "--workers", "2"]
+    argv = ["--data", str(tmp_path / "d"), "--shards", "3", "--workers", "2"]
     assert main(argv) == 2
     assert "--workers [2] must each be >= 1 and divide --shards 3" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
     argv = [
-        "bench-data",
         "--data",
         str(tmp_path / "d"),
         "--shards",
@@ -166,8 +168,8 @@ def test_device_path_times_the_trainers_input_and_the_device_decode(shards, tmp_
 
 def test_a_device_this_machine_lacks_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(data_loader.torch.cuda, "is_available", lambda: False)
-    assert main(["bench-data", "--data", str(tmp_path / "d"), "--device", "cuda"]) == 2
+    assert main(["--data", str(tmp_path / "d"), "--device", "cuda"]) == 2
     assert "--device cuda: torch sees no CUDA GPU here" in capsys.readouterr().err
-    assert main(["bench-data", "--data", str(tmp_path / "d"), "--device", "mps"]) == 2
+    assert main(["--data", str(tmp_path / "d"), "--device", "mps"]) == 2
     assert "--device mps: cuda or cpu" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()

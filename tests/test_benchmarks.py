@@ -48,8 +48,9 @@ def test_lamb_benchmark_times_both_trust_ratio_rules(tmp_path):
 
 
 def test_accumulation_benchmark_runs_every_side_on_the_same_batch(tmp_path):
-    """bench-speed --accumulate: ours in one micro-batch, micro and global accumulation, and OpenCLIP's own
-    accum_freq step, masks 0 and 0.5; step times, losses and peaks recorded, the ratios formed."""
+    """python -m benchmarks.accumulation: ours in one micro-batch, micro and global accumulation, and
+    OpenCLIP's own accum_freq step, masks 0 and 0.5; step times, losses and peaks recorded, the ratios
+    formed."""
     import math
 
     from benchmarks.accumulation import SIDES, format_accumulation_report, run_accumulation_benchmark
@@ -72,3 +73,15 @@ def test_accumulation_benchmark_runs_every_side_on_the_same_batch(tmp_path):
     assert len(results["ratios"]) == 12
     report = format_accumulation_report(results)
     assert "openclip accum" in report and "w/o DS bucket" in report
+
+
+def test_benchmark_commands_refuse_bad_values_before_any_work(capsys):
+    """Each benchmark is its own command (``python -m benchmarks.NAME``): a bad value is told as argparse
+    tells a bad option, exit status 2."""
+    from benchmarks import accumulation, lamb_step, speed
+
+    assert speed.main(["--steps", "0"]) == 2
+    assert "python -m benchmarks.speed: error: benchmarks.speed needs --steps >= 1" in capsys.readouterr().err
+    assert accumulation.main(["--batch-size", "6", "--accumulate", "4"]) == 2
+    assert "needs --accumulate >= 2 dividing --batch-size (6)" in capsys.readouterr().err
+    assert lamb_step.build_parser().parse_args([]).rounds == 7

@@ -249,7 +249,7 @@ def test_one_micro_batch_a_step_takes_the_plain_step(tmp_path, caplog):
     """Without accumulation both modes see the whole step: global adds no pass and holds nothing."""
     from eva_fastclip.engine.contrastive_step import MicroBatchStep
 
-    with caplog.at_level("INFO", logger="eva_fastclip.engine.trainer"):
+    with caplog.at_level("INFO", logger="eva_fastclip"):
         trainer = layouts.make_trainer(tmp_path, "fastclip_v3", 32, 1)
     assert isinstance(trainer.contrastive_step, MicroBatchStep) and "holds the features" not in caplog.text
 
@@ -313,7 +313,7 @@ def test_the_launch_is_not_vacuous(two_ranks):
 
 
 def test_the_start_up_log_states_the_contrastive_batch_and_the_memory_held(tmp_path, caplog):
-    with caplog.at_level("INFO", logger="eva_fastclip.engine.trainer"):
+    with caplog.at_level("INFO", logger="eva_fastclip"):
         layouts.make_trainer(tmp_path, "fastclip_v3", 8, 4)
     assert "each loss evaluation sees 32 pairs (the contrastive batch: the whole step's pairs" in caplog.text
     # 2 x 32 pairs x 32 dims x 4 bytes of features; 32 float images of 3 x 32 x 32 from the stand-in loader

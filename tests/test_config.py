@@ -228,29 +228,35 @@ def test_per_rank_batch_without_a_global_batch():
     assert batch_layout(cfg, 2, resumed_global=128).global_batch == 64
 
 
-def test_a_resume_on_another_number_of_ranks_keeps_the_global_batch(tmp_path, caplog):
-    """Trainer._keep_global_batch: without train.global_batch the accumulation changes to keep the
-    checkpoint's; with it, the config's global batch is the layout's on any number of ranks."""
-    import types
+def test_a_resume_on_another_number_of_ranks_keeps_the_global_batch(tmp_path):
+    """The plan of a run resumed on 2 ranks from a checkpoint of 4: without train.global_batch the
+    accumulation changes to keep the checkpoint's global batch; with it, the config's global batch is the
+    layout's on any number of ranks. The given config is never changed: the plan's holds the change."""
+    import json
 
-    from eva_fastclip.engine.trainer import Trainer
+    from eva_fastclip.plan.precision import Hardware
+    from eva_fastclip.plan.run_plan import make_plan
 
-    marker = {"world_size": 4, "global_batch": 64}
+    folder = tmp_path / "run" / "checkpoints" / "step_00000003"
+    folder.mkdir(parents=True)
+    (folder / "COMPLETE.json").write_text(json.dumps({"step": 3, "world_size": 4, "global_batch": 64}))
+    cpu = Hardware(cuda=False, native_bf16=False, description="a test CPU")
     for sets, accum, logged in (
         (["train.batch_size=8"], 4, "kept on 2 ranks with train.grad_accum_steps=4 (was 1)"),
         (["train.global_batch=64", "train.max_micro_batch=16"], None, None),
         (["train.global_batch=128"], None, "train.global_batch=128 applies from here"),
     ):
-        cfg = load_config(None, sets)
-        caplog.clear()
-        with caplog.at_level("INFO", logger="eva_fastclip.engine.trainer"):
-            Trainer._keep_global_batch(
-                types.SimpleNamespace(cfg=cfg, world_size=2, is_main=True), tmp_path, marker
-            )
-        assert cfg.train.grad_accum_steps == accum
-        assert (logged in caplog.text) if logged else caplog.text == ""
+        cfg = load_config(None, [*sets, f"train.output_dir={tmp_path / 'run'}"])
+        given = cfg.to_dict()
+        plan = make_plan(cfg, {"optimizer": {"type": "Lamb"}}, world_size=2, hardware=cpu, resume="latest",
+                         loader_batches=100)  # fmt: skip
+        assert plan.resume.folder == folder
+        assert plan.config.train.grad_accum_steps == accum
+        notes = "\n".join(line for _, line in plan.notes)
+        assert (logged in notes) if logged else "was saved" not in notes
+        assert cfg.to_dict() == given  # nothing writes back into the config
         if cfg.train.global_batch is None:
-            assert batch_layout(cfg, 2).global_batch == 64
+            assert plan.layout.global_batch == 64 and batch_layout(plan.config, 2).global_batch == 64
 
 
 def test_dry_run_validates_for_a_world_size(capsys, tmp_path):

@@ -17,7 +17,7 @@ from torchvision import transforms
 from eva_fastclip.config import load_config
 from eva_fastclip.data import TrainLoader, write_shard
 from eva_fastclip.data.tar_reader import SKIP_REASONS
-from eva_fastclip.engine.trainer import Trainer
+from eva_fastclip.engine.build import build_trainer
 from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 
 PREPROCESS = transforms.Compose([transforms.Resize((8, 8)), transforms.ToTensor()])
@@ -210,8 +210,8 @@ def last_skip_counts(output_dir: Path) -> tuple[int, dict[str, float]]:
 def test_a_run_over_corrupt_shards_finishes_and_logs_every_skip(corpus, tmp_path, caplog):
     output_dir = tmp_path / "run"
     cfg = corrupt_run_config(corpus, output_dir)
-    trainer = Trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config))
-    with caplog.at_level(logging.WARNING, logger="eva_fastclip.engine.trainer"):
+    trainer = build_trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config))
+    with caplog.at_level(logging.WARNING, logger="eva_fastclip"):
         trainer.train()
     assert trainer.step == 4
     # one epoch moved the per-sample state of exactly the good samples
@@ -237,7 +237,7 @@ def test_a_resumed_run_logs_the_skips_of_the_whole_run(corpus, tmp_path):
     output_dir = tmp_path / "run"
     for steps, resume in ((2, None), (4, "latest")):
         cfg = corrupt_run_config(corpus, output_dir, f"train.steps={steps}", "train.save_every_steps=2")
-        trainer = Trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), resume=resume)
+        trainer = build_trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), resume=resume)
         trainer.train()
         assert trainer.step == steps
     assert last_skip_counts(output_dir) == (4, expected_skips(needs_index=True))

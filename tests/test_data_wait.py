@@ -192,7 +192,7 @@ def perf_scalars(output_dir):
 @pytest.mark.parametrize("sleep", [SLEEP, 0.0])
 def test_a_run_measures_its_wait_on_data(tmp_path, caplog, sleep):
     from eva_fastclip.config import load_config
-    from eva_fastclip.engine.trainer import Trainer
+    from eva_fastclip.engine.build import build_trainer
     from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 
     cfg = load_config(
@@ -210,8 +210,10 @@ def test_a_run_measures_its_wait_on_data(tmp_path, caplog, sleep):
             "eval.retrieval_shards=null",
         ],
     )
-    trainer = Trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=SleepingBatches(sleep))
-    with caplog.at_level(logging.WARNING, logger="eva_fastclip.engine.trainer"):
+    trainer = build_trainer(
+        cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=SleepingBatches(sleep)
+    )
+    with caplog.at_level(logging.WARNING, logger="eva_fastclip"):
         trainer.train()
     perf = perf_scalars(tmp_path)
     assert len(perf["perf/data_wait_fraction"]) == 2  # steps 2 and 4

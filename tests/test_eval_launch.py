@@ -14,8 +14,8 @@ from test_resume import SixBatches, launch
 
 from eva_fastclip.config import load_config
 from eva_fastclip.data import write_toy_dataset
+from eva_fastclip.engine.build import build_trainer
 from eva_fastclip.engine.evaluate import evaluate_model
-from eva_fastclip.engine.trainer import Trainer
 from eva_fastclip.evaluation import (
     build_zeroshot_classifier,
     classification_metrics,
@@ -158,7 +158,7 @@ def test_a_resumed_run_appends_to_eval_results(tmp_path):
                 "optim.warmup_steps=1",
             ],
         )
-        Trainer(
+        build_trainer(
             cfg, load_deepspeed_config(cfg.train.deepspeed_config), resume=resume, loader=SixBatches()
         ).train()
         lines = (tmp_path / "run" / "eval_results.jsonl").read_text().splitlines()

@@ -16,7 +16,7 @@ from test_export_eva import Batches
 
 from eva_fastclip import cli, export
 from eva_fastclip.config import ModelConfig, load_config
-from eva_fastclip.engine.trainer import Trainer
+from eva_fastclip.engine.build import build_trainer
 from eva_fastclip.models import create_model
 from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 
@@ -137,7 +137,7 @@ def trained(request, tmp_path_factory):
         ],
     )
     loader = Batches(image_size, context, n=1, vocab=vocab)
-    trainer = Trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=loader)
+    trainer = build_trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=loader)
     trainer.train()
     return {
         "case": request.param,

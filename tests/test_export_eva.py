@@ -8,7 +8,7 @@ import torch
 
 from eva_fastclip import export
 from eva_fastclip.config import ModelConfig, load_config
-from eva_fastclip.engine.trainer import Trainer
+from eva_fastclip.engine.build import build_trainer
 from eva_fastclip.export import export_open_clip
 from eva_fastclip.models import create_model, to_open_clip_state_dict
 from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
@@ -67,7 +67,7 @@ def test_trained_eva_model_exports_to_open_clip_with_identical_outputs(
             "eval.retrieval_shards=null",
         ],
     )
-    trainer = Trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=Batches(32, 16))
+    trainer = build_trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=Batches(32, 16))
     trainer.train()
     folder = tmp_path / "run" / "checkpoints" / "step_00000003"
     summary = export_open_clip(folder, tmp_path / "eva.pt")  # strict open_clip load inside
@@ -125,7 +125,7 @@ def test_model_with_a_hugging_face_text_tower_exports_and_reloads(tmp_path):
         ],
     )
     loader = Batches(32, 16, n=1, vocab=30000)  # BERT's vocabulary
-    trainer = Trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=loader)
+    trainer = build_trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=loader)
     trainer.train()
     export_open_clip(tmp_path / "run" / "checkpoints" / "step_00000001", tmp_path / "hf.pt")  # verifies
 

@@ -24,7 +24,7 @@ from torchvision import transforms
 
 from eva_fastclip.config import load_config
 from eva_fastclip.data import DataSizes, TrainLoader, resolve_sizes
-from eva_fastclip.engine.trainer import Trainer
+from eva_fastclip.engine.build import build_trainer
 from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 
 PREPROCESS = transforms.Compose([transforms.Resize((8, 8)), transforms.ToTensor()])
@@ -254,7 +254,7 @@ def make_trainer(shards, loss, output_dir, *overrides):
             *overrides,
         ],
     )
-    return Trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config))
+    return build_trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config))
 
 
 def test_openclip_trains_on_samples_without_a_usable_index(tmp_path):

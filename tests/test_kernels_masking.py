@@ -112,7 +112,7 @@ def test_cpu_kernels_report_sdpa_and_fallbacks():
 
 def test_trainer_runs_the_final_steps_unmasked(tmp_path):
     from eva_fastclip.config import load_config
-    from eva_fastclip.engine.trainer import Trainer
+    from eva_fastclip.engine.build import build_trainer
     from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 
     g = torch.Generator().manual_seed(0)
@@ -147,7 +147,7 @@ def test_trainer_runs_the_final_steps_unmasked(tmp_path):
             "eval.retrieval_shards=null",
         ],
     )
-    trainer = Trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=Loader())
+    trainer = build_trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=Loader())
     (dropout,) = patch_dropout_modules(trainer.engine.module)
     seen = []
     step = trainer.train_step

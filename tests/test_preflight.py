@@ -18,8 +18,11 @@ from eva_fastclip.evaluation.sets import read_wds_folder  # noqa: E402
 from eva_fastclip.evaluation.zeroshot import fill_template  # noqa: E402
 from eva_fastclip.plan import preflight
 from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
+from eva_fastclip.plan.precision import Hardware
+from eva_fastclip.plan.run_plan import make_plan
 
 NUM_TRAIN = 64
+CPU = Hardware(cuda=False, native_bf16=False, description="a test CPU")
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +48,10 @@ def good(toy, tmp_path) -> list[str]:
 
 
 def check(toy, tmp_path, *overrides, world_size=1, resume=None) -> preflight.Report:
+    """The checks of the run's plan (plan/run_plan.py), as ``train`` and ``--dry-run`` make it."""
     cfg = load_config("configs/toy.json", good(toy, tmp_path) + list(overrides))
-    return preflight.check_run(cfg, world_size, resume=resume)
+    ds = load_deepspeed_config(cfg.train.deepspeed_config)
+    return make_plan(cfg, ds, world_size=world_size, hardware=CPU, resume=resume).preflight
 
 
 def by_key(report) -> dict[str, str]:
@@ -257,10 +262,10 @@ def test_zeroshot_dir_pointing_nowhere_stops_train_before_step_1(toy, tmp_path, 
     assert "eval.zeroshot_dir" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # no checkpoint, no log: nothing started
 
-    # a Trainer built directly (benchmarks, tests) checks on rank 0 before it joins the process group
-    from eva_fastclip.engine.trainer import Trainer
+    # a Trainer built directly (benchmarks, tests) checks on rank 0 before anything is built (its plan)
+    from eva_fastclip.engine.build import build_trainer
 
     cfg = load_config("configs/toy.json", good(toy, tmp_path) + [f"eval.zeroshot_dir={tmp_path / 'nowhere'}"])
     with pytest.raises(preflight.PreflightError, match="eval.zeroshot_dir"):
-        Trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config))
+        build_trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config))
     assert not (tmp_path / "run").exists()

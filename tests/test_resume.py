@@ -31,7 +31,7 @@ from eva_fastclip.checkpointing import checkpoint, resume_config
 from eva_fastclip.cli import main
 from eva_fastclip.config import ConfigError, load_config
 from eva_fastclip.data import TrainLoader, write_shard, write_toy_dataset
-from eva_fastclip.engine.trainer import Trainer
+from eva_fastclip.engine.build import build_trainer
 from eva_fastclip.export import consolidated_state_dict
 from eva_fastclip.losses import build_loss
 from eva_fastclip.optim.schedule import WarmupCosine, warmup_cosine
@@ -171,7 +171,7 @@ def test_gamma_horizon_is_never_assumed():
 def test_the_trainer_derives_gamma_horizon_from_steps(tmp_path):
     """train.steps=50 at 6 steps an epoch is 9 epochs: gamma decays over 4, not train.epochs's."""
     cfg = tiny_config(tmp_path, ["train.epochs=1", "train.steps=50"])
-    trainer = Trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=SixBatches())
+    trainer = build_trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=SixBatches())
     assert trainer.loss.cfg.gamma_decay_epochs == 4
 
 
@@ -211,7 +211,9 @@ def test_another_rank_count_that_cannot_keep_the_global_batch_stops_before_step_
     checkpoint.write_json_atomic(folder / checkpoint.MARKER, {"step": 3, "world_size": 2, "global_batch": 16})
     cfg = tiny_config(tmp_path, ["train.batch_size=5"])
     with pytest.raises(ConfigError, match="train.batch_size=4 and train.grad_accum_steps=4"):
-        Trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), resume="latest", loader=SixBatches())
+        build_trainer(
+            cfg, load_deepspeed_config(cfg.train.deepspeed_config), resume="latest", loader=SixBatches()
+        )
 
 
 # ---- what a resumed run may change ------------------------------------------------------------------
@@ -224,7 +226,7 @@ def six_steps(tmp_path_factory):
     """A run of 6 steps (one rank, in this process) with its checkpoints of steps 3 and 6; tests copy it."""
     out = tmp_path_factory.mktemp("six_steps")
     cfg = tiny_config(out, SIX_STEPS)
-    Trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=SixBatches()).train()
+    build_trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=SixBatches()).train()
     return out
 
 
@@ -253,7 +255,7 @@ def test_a_resumed_run_trains_with_the_optimizer_settings_it_is_given(six_steps,
     cfg = tiny_config(tmp_path, [*SIX_STEPS, *changed])
     caplog.set_level(logging.INFO, logger="eva_fastclip")
     resume = str(tmp_path / "checkpoints" / "step_00000003")
-    trainer = Trainer(
+    trainer = build_trainer(
         cfg, load_deepspeed_config(cfg.train.deepspeed_config), resume=resume, loader=SixBatches()
     )
     for line in (
@@ -294,7 +296,9 @@ def test_a_key_that_cannot_change_on_resume_stops_before_step_1(six_steps, tmp_p
     before = files_of(tmp_path, mtimes=True)
     cfg = tiny_config(tmp_path, [*SIX_STEPS, override])
     with pytest.raises(ConfigError) as err:
-        Trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), resume="latest", loader=SixBatches())
+        build_trainer(
+            cfg, load_deepspeed_config(cfg.train.deepspeed_config), resume="latest", loader=SixBatches()
+        )
     message = str(err.value)
     assert f"{key}: " in message and f"was trained with {key}={saved}" in message, message
     assert "cannot change on resume" in message and "start a new run in another train.output_dir" in message
@@ -401,7 +405,7 @@ def test_a_run_without_resume_never_touches_an_earlier_run(six_steps, tmp_path, 
     before = files_of(tmp_path, mtimes=True)
     cfg = tiny_config(tmp_path, SIX_STEPS)
     with pytest.raises(ConfigError) as err:
-        Trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=SixBatches())
+        build_trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=SixBatches())
     message = str(err.value)
     assert "--resume: " in message and "Continue it with --resume latest" in message
     assert "choose another train.output_dir" in message and f"delete {tmp_path / 'checkpoints'}" in message
@@ -415,7 +419,7 @@ def test_a_run_without_resume_never_touches_an_earlier_run(six_steps, tmp_path, 
     # with --resume latest the finished run only evaluates (launchers/demo.sh run again): nothing is saved
     checkpoints = files_of(tmp_path / "checkpoints", mtimes=True)
     ds = load_deepspeed_config(cfg.train.deepspeed_config)
-    trainer = Trainer(cfg, ds, resume="latest", loader=SixBatches())
+    trainer = build_trainer(cfg, ds, resume="latest", loader=SixBatches())
     trainer.train()
     assert trainer.step == 6 and files_of(tmp_path / "checkpoints", mtimes=True) == checkpoints
 
@@ -424,7 +428,7 @@ def test_a_conversion_is_made_once_per_save(tmp_path, monkeypatch):
     import deepspeed.checkpoint.ds_to_universal as converter
 
     cfg = tiny_config(tmp_path, ["train.steps=1"])
-    trainer = Trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=SixBatches())
+    trainer = build_trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=SixBatches())
     trainer.train()  # one step: the optimizer has moments to convert
     folder = tmp_path / "checkpoints" / "step_00000001"
     assert not checkpoint.needs_conversion(folder, 1) and checkpoint.needs_conversion(folder, 2)
@@ -644,7 +648,7 @@ def test_buffers_survive_a_resume_on_another_number_of_ranks(resnet_on_two_ranks
     overrides = run_args(data, out, 2, steps=KILL_AFTER + 2, extra=RESNET)[4::2]
     cfg = load_config("configs/toy.json", overrides)
     ds = load_deepspeed_config(cfg.train.deepspeed_config)
-    trainer = Trainer(cfg, ds, resume="latest", loader=SixBatches())
+    trainer = build_trainer(cfg, ds, resume="latest", loader=SixBatches())
     assert trainer.resume_from == (folder, checkpoint.universal_folder(folder))
     module = trainer.engine.module
     params = dict(module.named_parameters())

@@ -7,8 +7,9 @@ from test_step_hooks import BATCH, FixedBatches
 
 from eva_fastclip.checkpointing import checkpoint
 from eva_fastclip.config import ConfigError, load_config
-from eva_fastclip.engine import trainer as trainer_module
-from eva_fastclip.engine.trainer import Trainer, precision_of
+from eva_fastclip.engine import build as build_module
+from eva_fastclip.engine.build import build_trainer
+from eva_fastclip.engine.setup import precision_of
 from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 from eva_fastclip.plan.precision import Hardware
 
@@ -28,7 +29,7 @@ def make_trainer(tmp_path, precision, resume=None, steps=2):
             "eval.retrieval_shards=null",
         ],
     )
-    return Trainer(
+    return build_trainer(
         cfg, load_deepspeed_config(cfg.train.deepspeed_config), resume=resume, loader=FixedBatches()
     )
 
@@ -42,7 +43,7 @@ def test_resume_keeps_the_checkpoint_precision(tmp_path, monkeypatch):
     )
 
     avx2 = Hardware(cuda=False, native_bf16=False, description="CPU (AVX2)")
-    monkeypatch.setattr(trainer_module, "detect_hardware", lambda: avx2)
+    monkeypatch.setattr(build_module, "detect_hardware", lambda: avx2)
     with pytest.raises(ConfigError, match="was trained in bf16, but this run asks for fp32"):
         make_trainer(tmp_path, "fp32", resume="latest", steps=3)
     resumed = make_trainer(tmp_path, "auto", resume="latest", steps=3)  # auto here alone would be fp32

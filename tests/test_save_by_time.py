@@ -9,7 +9,7 @@ import torch
 
 from eva_fastclip.checkpointing import checkpoint
 from eva_fastclip.config import load_config
-from eva_fastclip.engine.trainer import Trainer
+from eva_fastclip.engine.build import build_trainer
 
 SECONDS = 0.6  # train.save_every_minutes=0.01
 
@@ -49,7 +49,7 @@ def test_checkpoints_come_by_time(tmp_path):
         ],
     )
     started = time.time()
-    Trainer(cfg, ds, loader=SlowBatches()).train()
+    build_trainer(cfg, ds, loader=SlowBatches()).train()
     folders = checkpoint.complete_checkpoints(tmp_path / "checkpoints")
     done = [(folder / checkpoint.MARKER).stat().st_mtime for folder in folders]
     steps = [int(folder.name.removeprefix("step_")) for folder in folders]

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from eva_fastclip.config import load_config
-from eva_fastclip.engine.trainer import Trainer, read_full_parameter
+from eva_fastclip.engine.build import build_trainer
+from eva_fastclip.engine.setup import read_full_parameter
 from eva_fastclip.losses import Gatherer, PerSampleTable
 from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 
@@ -50,7 +51,7 @@ def make_trainer(tmp_path, loss, resume=None):
             "eval.retrieval_shards=null",
         ],
     )
-    return Trainer(
+    return build_trainer(
         cfg, load_deepspeed_config(cfg.train.deepspeed_config), resume=resume, loader=FixedBatches()
     )
 

@@ -10,7 +10,7 @@ import torch
 from fastclip_reference import IndividualTau
 
 from eva_fastclip.config import ConfigError, LossConfig, load_config
-from eva_fastclip.engine.trainer import Trainer
+from eva_fastclip.engine.build import build_trainer
 from eva_fastclip.optim.temperature import TemperatureController
 from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 
@@ -153,7 +153,7 @@ def test_the_trainer_sets_the_temperature_lr_from_tau_before_every_step(tmp_path
             "eval.retrieval_shards=null",
         ],
     )
-    trainer = Trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=FourBatches())
+    trainer = build_trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=FourBatches())
     (group,) = [g for g in trainer.engine.optimizer.param_groups if g["name"] == "temperature"]
     assert group["lr"] == pytest.approx(fastclip_step_thresh(0.01, tau_init), rel=1e-12)
     trainer.train()

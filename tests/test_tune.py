@@ -309,7 +309,7 @@ def test_train_refuses_a_deepspeed_json_that_enables_the_autotuner(tmp_path):
 
 def test_bad_requests_are_refused_before_any_probe(toy, tmp_path):
     from eva_fastclip.config import ConfigError
-    from eva_fastclip.tune.tuner import cap_reduce_bucket, check_tunable
+    from eva_fastclip.tune.options import cap_reduce_bucket, check_tunable
 
     with pytest.raises(ConfigError, match="--gpus N and --gpu-memory-gib"):
         TuneOptions(output=tmp_path / "t.json", estimate_only=True)

@@ -242,20 +242,7 @@ def write_openclipart_dataset(
         raise ValueError("image_size, zeroshot_per_class, num_retrieval and samples_per_shard must be >= 1")
     root = check_installed(root)
     drawings = scan_drawings(root)
-    processes = processes or len(os.sched_getaffinity(0))
-    jobs = [(str(root / d.path), image_size) for d in drawings]
-    if processes > 1:
-        with multiprocessing.Pool(processes) as pool:
-            rendered = pool.map(_render_job, jobs, chunksize=64)
-    else:
-        rendered = [_render_job(job) for job in jobs]
-    images, left_out = {}, []
-    for drawing, result in zip(drawings, rendered):
-        if isinstance(result, bytes):
-            images[drawing.path] = result
-        else:
-            left_out.append(drawing.path)
-            log.warning("openclipart: leaving out %s: %s", drawing.path, result)
+    images, left_out = _render_all(root, drawings, image_size, processes or len(os.sched_getaffinity(0)))
     split = split_drawings(
         [d for d in drawings if d.path in images],
         zeroshot_per_class=zeroshot_per_class,
@@ -265,28 +252,11 @@ def write_openclipart_dataset(
 
     out_dir = Path(out_dir)
     (out_dir / SUMMARY_NAME).unlink(missing_ok=True)  # a half-rewritten folder must not look complete
-    manifests = {}
     first = 0
     for name, members in (("train", split.train), ("val", split.val)):
-        manifests[name] = _write_pairs(out_dir / name, members, images, first, samples_per_shard)
+        _write_pairs(out_dir / name, members, images, first, samples_per_shard)
         first += len(members)
-    zeroshot_dir = out_dir / "zeroshot"
-    (zeroshot_dir / "test").mkdir(parents=True, exist_ok=True)
-    write_shard(
-        zeroshot_dir / "test" / "0.tar",
-        (
-            {
-                "__key__": f"s{i:07d}",
-                "png": images[drawing.path],
-                "cls": str(label),
-                "json": {"source": drawing.path, "caption": drawing.caption},
-            }
-            for i, (drawing, label) in enumerate(split.zeroshot)
-        ),
-    )
-    (zeroshot_dir / "test" / "nshards.txt").write_text("1\n")  # clip_benchmark refuses a folder without it
-    (zeroshot_dir / "classnames.txt").write_text("\n".join(split.classnames) + "\n")
-    (zeroshot_dir / "zeroshot_classification_templates.txt").write_text("\n".join(TEMPLATES) + "\n")
+    _write_zeroshot(out_dir / "zeroshot", split, images)
     summary = {
         "format": "eva_fastclip-openclipart",
         "version": FORMAT_VERSION,
@@ -343,3 +313,44 @@ def _write_pairs(
         index_min=first,
         index_max=first + len(members) - 1,
     )
+
+
+def _render_all(
+    root: Path, drawings: list[Drawing], image_size: int, processes: int
+) -> tuple[dict[str, bytes], list[str]]:
+    """Every drawing rendered (:func:`render`) by its path, and the paths of those that failed (logged)."""
+    jobs = [(str(root / d.path), image_size) for d in drawings]
+    if processes > 1:
+        with multiprocessing.Pool(processes) as pool:
+            rendered = pool.map(_render_job, jobs, chunksize=64)
+    else:
+        rendered = [_render_job(job) for job in jobs]
+    images, left_out = {}, []
+    for drawing, result in zip(drawings, rendered):
+        if isinstance(result, bytes):
+            images[drawing.path] = result
+        else:
+            left_out.append(drawing.path)
+            log.warning("openclipart: leaving out %s: %s", drawing.path, result)
+    return images, left_out
+
+
+def _write_zeroshot(zeroshot_dir: Path, split: Split, images: dict[str, bytes]) -> None:
+    """The zero-shot set in clip_benchmark's layout: one shard of (image, class) pairs, class names,
+    prompt templates."""
+    (zeroshot_dir / "test").mkdir(parents=True, exist_ok=True)
+    write_shard(
+        zeroshot_dir / "test" / "0.tar",
+        (
+            {
+                "__key__": f"s{i:07d}",
+                "png": images[drawing.path],
+                "cls": str(label),
+                "json": {"source": drawing.path, "caption": drawing.caption},
+            }
+            for i, (drawing, label) in enumerate(split.zeroshot)
+        ),
+    )
+    (zeroshot_dir / "test" / "nshards.txt").write_text("1\n")  # clip_benchmark refuses a folder without it
+    (zeroshot_dir / "classnames.txt").write_text("\n".join(split.classnames) + "\n")
+    (zeroshot_dir / "zeroshot_classification_templates.txt").write_text("\n".join(TEMPLATES) + "\n")

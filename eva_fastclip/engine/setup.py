@@ -82,3 +82,26 @@ def _undo_warm_up_step(engine) -> None:
         else:
             return
     engine.basic_optimizer.state.clear()
+
+
+def read_full_parameter(param: torch.nn.Parameter) -> torch.Tensor:
+    """A parameter's fp32 value: ZeRO's master copy where there is one (a collective: all ranks call)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    master = safe_get_full_fp32_param(param)
+    return param.detach().float() if master is None else master
+
+
+def write_full_parameter_(param: torch.nn.Parameter, value: float) -> None:
+    """Set a parameter everywhere it lives: ZeRO's fp32 master (owner's partition) and the module copy."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    full = torch.full_like(read_full_parameter(param), value)
+    safe_set_full_fp32_param(param, full)
+    with torch.no_grad():
+        param.fill_(value)
+
+
+def precision_of(engine) -> str:
+    """bf16, fp16 or fp32: the precision ``engine`` trains in."""
+    return "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"

@@ -122,13 +122,47 @@ def load_text_checkpoint(
     """
     path = Path(path)
     weights = read_weights(path)
-    checkpoint, fmt = weights.tensors, weights.describe()
-    source = _text_state_dict_of_checkpoint(checkpoint)
+    source = _text_state_dict_of_checkpoint(weights.tensors)
     prefix = text_tower_prefix(model)
     target = {k[len(prefix) :]: v for k, v in model.state_dict().items() if is_text_key(model, k)}
     _match_projection(source, target)
 
-    report = TextLoadReport(str(path), fmt)
+    report = TextLoadReport(str(path), weights.describe())
+    _skip_tensors(report, source, target, skip)
+    report.ignored = sorted(k for k in source if k not in target and _is_rebuilt(k))
+    report.unexpected = sorted(k for k in source if k not in target and not _is_rebuilt(k))
+    report.missing = sorted(k for k in target if k not in source)
+    report.loaded = sorted(k for k in source if k in target)
+    _check_fit(report, path, weights.tensors, source, target, strict=strict)
+    if weights.container == "TorchScript archive" and not _uses_quick_gelu(model):
+        logger.warning(
+            "%s is OpenAI's CLIP file, trained with QuickGELU, but this model uses GELU: its text "
+            "features start near, not at, OpenAI's and training adapts them (as EVA-CLIP's GELU towers do)",
+            path,
+        )
+
+    tensors = {prefix + k: source[k].to(dtype=target[k].dtype) for k in report.loaded}
+    result = model.load_state_dict(tensors, strict=False)
+    assert not result.unexpected_keys, result.unexpected_keys  # every name was taken from the model
+    if report.missing or report.unexpected:
+        logger.warning(
+            "text tower from %s: missing %s; unexpected %s",
+            path,
+            _quote(report.missing) or "none",
+            _quote(report.unexpected) or "none",
+        )
+    logger.info(report.summary())
+    return report
+
+
+def _skip_tensors(
+    report: TextLoadReport,
+    source: dict[str, torch.Tensor],
+    target: dict[str, torch.Tensor],
+    skip: list[str] | tuple[str, ...],
+) -> None:
+    """Take the tensors ``skip`` names (or the modules' tensors) out of ``source`` and ``target``: they
+    keep the model's initialisation. A name that matches nothing of the tower is an error."""
     for name in skip:
         matched = [k for k in target if k == name or k.startswith(name + ".")]
         if not matched:
@@ -140,11 +174,19 @@ def load_text_checkpoint(
             target.pop(key)
             source.pop(key, None)
             report.skipped.append(key)
-    report.ignored = sorted(k for k in source if k not in target and _is_rebuilt(k))
-    report.unexpected = sorted(k for k in source if k not in target and not _is_rebuilt(k))
-    report.missing = sorted(k for k in target if k not in source)
-    report.loaded = sorted(k for k in source if k in target)
 
+
+def _check_fit(
+    report: TextLoadReport,
+    path: Path,
+    checkpoint: dict[str, torch.Tensor],
+    source: dict[str, torch.Tensor],
+    target: dict[str, torch.Tensor],
+    *,
+    strict: bool,
+) -> None:
+    """Raise ValueError, naming ``path`` and the problem, unless the file's text tower fits the model: its
+    transformer wholly, with the model's shapes; with ``strict`` every other text tensor too."""
     blocks = [k for k in target if k.startswith("transformer.")]
     if not any(k.startswith("transformer.") for k in report.loaded):
         found = _quote(sorted(checkpoint)) or "no tensors"
@@ -174,25 +216,6 @@ def load_text_checkpoint(
             f"{path}: text tower keys differ from this model's: missing {_quote(report.missing) or 'none'}; "
             f"unexpected {_quote(report.unexpected) or 'none'}"
         )
-    if weights.container == "TorchScript archive" and not _uses_quick_gelu(model):
-        logger.warning(
-            "%s is OpenAI's CLIP file, trained with QuickGELU, but this model uses GELU: its text "
-            "features start near, not at, OpenAI's and training adapts them (as EVA-CLIP's GELU towers do)",
-            path,
-        )
-
-    tensors = {prefix + k: source[k].to(dtype=target[k].dtype) for k in report.loaded}
-    result = model.load_state_dict(tensors, strict=False)
-    assert not result.unexpected_keys, result.unexpected_keys  # every name was taken from the model
-    if report.missing or report.unexpected:
-        logger.warning(
-            "text tower from %s: missing %s; unexpected %s",
-            path,
-            _quote(report.missing) or "none",
-            _quote(report.unexpected) or "none",
-        )
-    logger.info(report.summary())
-    return report
 
 
 def _uses_quick_gelu(model: nn.Module) -> bool:

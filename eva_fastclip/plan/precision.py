@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +122,18 @@ def _cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()  # not Linux: assume no native bf16 (fp32 is always correct)
+
+
+def cpu_model() -> str:
+    """The processor's name as /proc/cpuinfo gives it (tune's report and the benchmarks record it)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def precision_in_deepspeed_json(ds: dict[str, Any], source: str) -> str:

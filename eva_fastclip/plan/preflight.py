@@ -3,17 +3,16 @@ make sense.
 
 A wrong path otherwise surfaces when it is first used: ``eval.zeroshot_dir`` after the last step and the
 final save, days into a run; a Hugging Face tokenizer missing from a text folder never (transformers then
-builds one with an empty vocabulary from config.json alone). :func:`check_run` looks at every input the
-config names (training shards and their sizes, evaluation folders and shards, weight files, the
-architecture and its tokenizer, a ``--resume`` folder and the keys a resumed run may not change) and at
-the output folder (an earlier run's checkpoints there need ``--resume``), and at lengths that leave
-a run without meaning (a batch larger than an epoch, accumulation that leaves an epoch without an optimizer
-step, a warm-up longer than the run). It creates, downloads and starts nothing, and returns every problem
-at once, each naming its config key and the fix.
+builds one with an empty vocabulary from config.json alone). :func:`check_inputs` looks at every input the
+config names (training shards, evaluation folders and shards, weight files, the architecture and its
+tokenizer) and at the output folder (an earlier run's checkpoints there need ``--resume``);
+:func:`check_schedule` at lengths that leave a run without meaning (a batch larger than an epoch,
+accumulation that leaves an epoch without an optimizer step, a warm-up longer than the run). They create,
+download and start nothing, and return every problem at once, each naming its config key and the fix.
 
-``eva-fastclip train`` runs it on every rank before the process group starts (``--dry-run`` prints the
-result); the Trainer runs the path checks again on rank 0 before it joins the process group, for runs that
-build it directly, and :func:`check_schedule` once it knows the loader's length.
+The run plan (plan/run_plan.py) runs them with the data's sizes and the resume checkpoint's keys;
+``eva-fastclip train`` checks the paths on every rank before the process group starts (``--dry-run`` prints
+the plan).
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from eva_fastclip.config import ConfigError, ExperimentConfig
 from eva_fastclip.data import DataSizes, expand_urls, resolve_sizes
 from eva_fastclip.data.sizes import is_remote
 from eva_fastclip.evaluation.sets import read_classification_folder
-from eva_fastclip.plan.layout import batch_layout
+from eva_fastclip.plan.layout import BatchLayout
 
 log = logging.getLogger(__name__)
 
@@ -102,62 +101,39 @@ def raise_for_errors(problems: Iterable[Problem], *, log_warnings: bool = True) 
         raise PreflightError(errors)
 
 
-def check_run(
-    cfg: ExperimentConfig,
-    world_size: int,
-    *,
-    resume: str | None = None,
-    train_shards: bool = True,
-    sizes: bool = True,
-) -> Report:
-    """Every check: paths (the training shards unless ``train_shards`` is False, e.g. for a loader given to
-    the Trainer), and with ``sizes`` the data's sizes and the schedule they give at ``world_size`` ranks."""
-    report = Report()
-    problems = report.problems
-    problems += check_model(cfg)
-    problems += check_image_decode(cfg)
-    problems += check_eval(cfg)
+def check_inputs(
+    cfg: ExperimentConfig, *, resume: str | None = None, train_shards: bool = True
+) -> list[Problem]:
+    """Every path the run reads or writes: the model's files, the image decode, the evaluation sets, the
+    output folder and an earlier run's checkpoints in it (or the ``--resume`` checkpoint), and (unless
+    ``train_shards`` is False: a loader given to the Trainer) the training shards. Files only: the
+    lengths are checked once the data's sizes are known (:func:`check_schedule`)."""
+    problems = check_model(cfg) + check_image_decode(cfg) + check_eval(cfg)
     problems += check_output_dir(cfg.train.output_dir)
-    if resume is not None:
-        problems += check_resume(resume, Path(cfg.train.output_dir) / "checkpoints", cfg)
-    else:
+    if resume is None:
         problems += check_earlier_run(cfg.train.output_dir)
-    if not train_shards:
-        return report
-    urls, data_problems = check_train_shards(cfg)
-    problems += data_problems
-    if urls is None or not sizes:
-        return report
-    try:
-        report.sizes = data_sizes(cfg, urls)
-    except ValueError as err:
-        key = next((k for k in ("data.num_samples", "data.index_size") if k in str(err)), "data.train_shards")
-        problems.append(Problem(key, str(err)))
-        return report
-    layout = batch_layout(cfg, world_size)
-    micro_batches = report.sizes.num_samples // layout.samples_per_forward
-    problems += check_schedule(
-        cfg, micro_batches, world_size=world_size, num_samples=report.sizes.num_samples
-    )
-    if micro_batches >= layout.grad_accum_steps:
-        report.total_steps = total_steps(cfg, micro_batches, world_size)
-    return report
+    if train_shards:
+        problems += check_train_shards(cfg)[1]
+    return problems
 
 
 # ---- lengths ---------------------------------------------------------------------------------------
 
 
-def total_steps(cfg: ExperimentConfig, micro_batches_per_epoch: int, world_size: int) -> int:
+def total_steps(cfg: ExperimentConfig, layout: BatchLayout, micro_batches_per_epoch: int) -> int:
     """Optimizer steps of the run: ``train.steps``, else ``train.epochs`` epochs of whole steps."""
-    accum = batch_layout(cfg, world_size).grad_accum_steps
-    return cfg.train.steps or cfg.train.epochs * (micro_batches_per_epoch // accum)
+    return cfg.train.steps or cfg.train.epochs * (micro_batches_per_epoch // layout.grad_accum_steps)
 
 
 def check_schedule(
-    cfg: ExperimentConfig, micro_batches_per_epoch: int, *, world_size: int, num_samples: int | None = None
+    cfg: ExperimentConfig,
+    layout: BatchLayout,
+    micro_batches_per_epoch: int,
+    *,
+    num_samples: int | None = None,
 ) -> list[Problem]:
     """Lengths that leave the run without meaning, from the micro-batches each rank draws per epoch."""
-    train, layout = cfg.train, batch_layout(cfg, world_size)
+    train, world_size = cfg.train, layout.world_size
     micro, accum = layout.micro_batch, layout.grad_accum_steps
     by_global = train.global_batch is not None  # then the batch keys are derived: name what the user sets
     if micro_batches_per_epoch < 1:
@@ -199,7 +175,7 @@ def check_schedule(
             )
         ]
     problems = []
-    steps = total_steps(cfg, micro_batches_per_epoch, world_size)
+    steps = total_steps(cfg, layout, micro_batches_per_epoch)
     length = f"train.steps={train.steps}" if train.steps else f"train.epochs={train.epochs}: {steps} steps"
     warmup = cfg.optim.warmup_steps
     if warmup >= steps:
@@ -370,21 +346,6 @@ def _hf_local(name: str, files: tuple[str, ...]) -> bool:
         except ValueError:  # not a valid hub id either
             return False
     return False
-
-
-def check_resume(resume: str, checkpoint_root: Path, cfg: ExperimentConfig | None = None) -> list[Problem]:
-    """The checkpoint ``--resume`` names is complete, and ``cfg`` changes no key the checkpoint cannot go on
-    under (checkpointing/resume_config.py; the trainer compares again, the DeepSpeed settings too)."""
-    from eva_fastclip.checkpointing import checkpoint, resume_config
-
-    try:
-        folder = checkpoint.resolve_resume(resume, checkpoint_root)
-    except (FileNotFoundError, ValueError) as err:
-        return [Problem("--resume", str(err))]
-    if folder is None or cfg is None:
-        return []
-    changes = resume_config.compare(checkpoint.saved_settings(folder), {"config": cfg.to_dict()})
-    return [Problem(change.key, change.refusal(str(folder))) for change in changes if change.refused]
 
 
 def check_earlier_run(output_dir: str) -> list[Problem]:

@@ -13,6 +13,7 @@ import os
 import random
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -60,6 +61,33 @@ def on_rank0(fn: Callable[[], Any]) -> Any:
     if not ok:
         raise value
     return value
+
+
+@dataclass(frozen=True, slots=True)
+class Rank:
+    """This process's place in the run."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def join_process_group(watchdog=None) -> Rank:
+    """Join the run's process group (reliability/process.py's set-up of the process first); the hang
+    watchdog's heartbeats and guardian start once the group's store is up (reliability/watchdog.py). On
+    CUDA, PyTorch's Flight Recorder is switched on for NCCL before the group starts (a user's settings
+    win)."""
+    if watchdog is not None and torch.cuda.is_available():
+        for key, value in watchdog.flight_recorder_env().items():
+            os.environ.setdefault(key, value)
+    rank, world_size, device = init_process_group()
+    if watchdog is not None:
+        watchdog.connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    return Rank(rank, world_size, device)
 
 
 def init_process_group() -> tuple[int, int, torch.device]:

@@ -32,8 +32,12 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from eva_fastclip.reliability.store import store_client
+
+if TYPE_CHECKING:
+    from eva_fastclip.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +72,25 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._guardian = None  # reliability/guardian.py: ends this rank if it is stopped when the run ends
 
+    @classmethod
+    def for_run(cls, train: TrainConfig) -> Watchdog:
+        """The watchdog of a rank of the run ``train`` configures: its allowances, the Flight Recorder's
+        folder in its output folder, the rank and world size its launcher gives (the store connects once
+        the process group is up: :meth:`connect_store`)."""
+        return cls(
+            train.hang_timeout_s,
+            train.hang_timeout_long_s,
+            rank=int(os.environ.get("RANK", "0")),
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            dump_dir=Path(train.output_dir) / "flight_recorder",
+        )
+
     @property
     def enabled(self) -> bool:
         return self.timeout_s > 0
+
+    def flight_recorder_env(self) -> dict[str, str]:
+        return flight_recorder_env(self.dump_dir) if self.dump_dir is not None else {}
 
     def __enter__(self) -> Watchdog:
         if self.enabled:

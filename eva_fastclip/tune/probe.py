@@ -1,12 +1,12 @@
 """Probes: a layout trained for a few optimizer steps on the real engine, loss and model, in this process.
 
-Each probe builds a :class:`~eva_fastclip.engine.trainer.Trainer` of the layout, runs ``1 + steps``
-optimizer steps (the first one untimed: the optimizer's state appears there, and later steps show the
+Each probe builds a :class:`~eva_fastclip.engine.trainer.Trainer` (engine/build.py) of the layout, runs ``1 +
+steps`` optimizer steps (the first one untimed: the optimizer's state appears there, and later steps show the
 allocator's fragmentation), and records the rank's peak tensor memory from the start of the Trainer's
 construction (``torch.cuda.max_memory_allocated`` on a GPU; on a CPU the exact count of
-``tensor_memory.StorageTracker``) and the optimizer step's time. Model speed is probed on synthetic
-batches (:class:`SyntheticBatches`: the loader's uint8 images, so a cached step holds what it would);
-the data rate on the real loader (:func:`data_probe`).
+``tensor_memory.StorageTracker``) and the optimizer step's time. Model speed is probed on synthetic batches
+(:class:`SyntheticBatches`: the loader's uint8 images, so a cached step holds what it would); the data rate on
+the real loader (:func:`data_probe`).
 
 Out of memory is agreed: a rank that runs out marks the probe failed, every rank learns it through one
 all-reduce after the probe (Composer's all-reduced flag), and each frees what the probe held (the engine's
@@ -143,7 +143,7 @@ def model_probe(
     table_rows: int = 0,
 ) -> ProbeResult:
     """Train ``candidate`` for ``1 + steps`` optimizer steps on synthetic batches; every rank calls it."""
-    from eva_fastclip.engine.trainer import Trainer
+    from eva_fastclip.engine.build import build_trainer
 
     device = _device()
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -158,7 +158,7 @@ def model_probe(
     try:
         with quiet_set_up(), tracker or contextlib.nullcontext():
             batches = SyntheticBatches(candidate.micro_batch, image_shape, context_length, rank, table_rows)
-            trainer = Trainer(
+            trainer = build_trainer(
                 probe_cfg, stage_config(ds, candidate.zero_stage), loader=batches, watchdog=watchdog
             )
             for step in range(1 + steps):
@@ -261,7 +261,7 @@ def data_probe(
 ) -> DataResult:
     """Train ``candidate`` on the real loader (``workers`` per rank, ``image_decode``) for ``1 + steps``
     optimizer steps, timing its waits as training does (reliability/data_wait.py); every rank calls it."""
-    from eva_fastclip.engine.trainer import Trainer
+    from eva_fastclip.engine.build import build_trainer
     from eva_fastclip.reliability.data_wait import DataWait, cores_per_rank, slowest_rank
 
     overrides = {"data.workers": workers, "data.image_decode": image_decode}
@@ -269,7 +269,7 @@ def data_probe(
     trainer = None
     try:
         with quiet_set_up():
-            trainer = Trainer(probe_cfg, stage_config(ds, candidate.zero_stage), watchdog=watchdog)
+            trainer = build_trainer(probe_cfg, stage_config(ds, candidate.zero_stage), watchdog=watchdog)
         world = trainer.world_size
         data_wait = DataWait(workers, trainer.layout.per_rank, world, cores=cores_per_rank())
         done = 0

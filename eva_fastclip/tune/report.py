@@ -111,3 +111,62 @@ def trials_path(output: Path) -> Path:
 def ds_path(output: Path) -> Path:
     """tuned.json -> tuned.ds.json"""
     return output.with_name(output.stem + ".ds.json")
+
+
+def trials_payload(
+    trials: list[Trial],
+    *,
+    fingerprint: str,
+    global_batch: int,
+    world_size: int,
+    limit: int,
+    budget: int,
+    in_flight: str | None = None,
+) -> dict[str, Any]:
+    """tuned.trials.json: every trial, whether it was probed, and the probe in flight (if any)."""
+    rows = []
+    for t in trials:
+        row = trial_row(t)
+        row.update(name=t.candidate.name(), probed=t.peak is not None or t.oom, oom=t.oom)
+        rows.append(row)
+    return {
+        "fingerprint": fingerprint,
+        "global_batch": global_batch,
+        "world_size": world_size,
+        "memory_limit_gib": limit / GIB,
+        "budget_gib": budget / GIB,
+        "in_flight": in_flight,
+        "trials": rows,
+    }
+
+
+def read_previous(path: Path, fingerprint: str) -> dict[str, dict[str, Any]]:
+    """The probes an earlier run of the same search (the same ``fingerprint``) wrote to ``path``, by name;
+    the probe it died in counts as failed."""
+    if not path.is_file():
+        return {}
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    if saved.get("fingerprint") != fingerprint:
+        return {}
+    previous = {
+        row["name"]: {
+            "peak": None if row["peak_gib"] is None else int(row["peak_gib"] * GIB),
+            "oom": row["oom"],
+            "samples_per_s": row["samples_per_s"],
+            "why": row["why"] if row["oom"] else "",
+        }
+        for row in saved.get("trials", [])
+        if row.get("probed")
+    }
+    died_in = saved.get("in_flight")
+    if died_in:  # killed in it (a hang its watchdog ended, a device error): not probed again
+        previous[died_in] = {
+            "peak": None,
+            "oom": True,
+            "samples_per_s": None,
+            "why": "the previous search ended during this probe (killed, hung or the device failed)",
+        }
+    return previous

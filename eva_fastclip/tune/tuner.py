@@ -25,19 +25,17 @@ import datetime
 import hashlib
 import json
 import logging
-import math
 import os
 import shutil
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from eva_fastclip.config import ConfigError, ExperimentConfig
-from eva_fastclip.plan.layout import batch_layout
 from eva_fastclip.reliability.process import on_rank0
 from eva_fastclip.tune import report
+from eva_fastclip.tune.data_search import DATA_WAIT_TARGET, DataSearch
 from eva_fastclip.tune.layouts import (
     ZERO_STAGES,
     Trial,
@@ -49,86 +47,13 @@ from eva_fastclip.tune.layouts import (
     preference,
 )
 from eva_fastclip.tune.memory_model import GIB, estimate, footprint_of, trace_activations
+from eva_fastclip.tune.options import TuneOptions, cap_reduce_bucket, check_inputs, check_tunable
 from eva_fastclip.tune.probe import DeviceUnusable, quiet_set_up
 
 log = logging.getLogger(__name__)
 
-#: the data wait tune aims under, as a fraction of step time
-DATA_WAIT_TARGET = 0.05
 #: probes of smaller micro-batches after a layout did not fit, per option
 STEPS_DOWN = 3
-
-
-@dataclasses.dataclass
-class TuneOptions:
-    output: Path
-    memory_limit_gib: float | None = None
-    margin: float = 0.10
-    contrastive_batch: int | None = None
-    estimate_only: bool = False
-    gpus: int | None = None
-    gpu_memory_gib: float | None = None
-    data: bool = True
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.margin < 1.0:
-            raise ConfigError(f"--memory-margin must be in [0, 1), got {self.margin}")
-        if self.memory_limit_gib is not None and self.memory_limit_gib <= 0:
-            raise ConfigError(f"--memory-limit-gib must be > 0, got {self.memory_limit_gib}")
-        if self.contrastive_batch is not None and self.contrastive_batch < 1:
-            raise ConfigError(f"--contrastive-batch must be >= 1, got {self.contrastive_batch}")
-        if self.estimate_only and (self.gpus is None or self.gpu_memory_gib is None):
-            raise ConfigError("--estimate-only plans for GPUs you name: give --gpus N and --gpu-memory-gib M")
-        if not self.estimate_only and (self.gpus is not None or self.gpu_memory_gib is not None):
-            raise ConfigError(
-                "--gpus and --gpu-memory-gib plan a run elsewhere: add --estimate-only (a search that "
-                "measures runs on the ranks it is launched with, under --memory-limit-gib)"
-            )
-        if self.output.suffix != ".json":
-            raise ConfigError(f"--output {self.output} must name a .json file (e.g. tuned.json)")
-
-
-def check_tunable(ds: dict[str, Any], source: str) -> None:
-    """tune sets the micro-batch and the accumulation: the DeepSpeed JSON must leave them to the
-    experiment ("auto"), as the shipped ones do."""
-    fixed = [
-        key
-        for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-        if ds.get(key, "auto") != "auto"
-    ]
-    if fixed:
-        raise ConfigError(
-            f"{source} fixes {', '.join(f'{k}={ds[k]}' for k in fixed)}: tune chooses the micro-batch and "
-            'the accumulation, so write "auto" for them (train_batch_size may stay: it is the global batch)'
-        )
-
-
-def check_inputs(cfg: ExperimentConfig, *, data: bool) -> None:
-    """What the probes read: the model's files, the image decode, and (for the loader's rate) the shards."""
-    from eva_fastclip.plan import preflight
-
-    problems = preflight.check_model(cfg) + preflight.check_image_decode(cfg)
-    if data:
-        problems += preflight.check_train_shards(cfg)[1]
-    preflight.raise_for_errors(problems)
-
-
-def cap_reduce_bucket(ds: dict[str, Any], trainable: int) -> tuple[dict[str, Any], str | None]:
-    """DeepSpeed allocates its whole reduce bucket (``reduce_bucket_size`` elements, 5e8 by default) at
-    every backward under ZeRO-1/2, however small the model: one bucket of the model's own size holds
-    every gradient, so the same reductions happen in less memory. Returns the JSON and what changed."""
-    zero = ds.get("zero_optimization", {})
-    current = int(zero.get("reduce_bucket_size", 500_000_000))
-    size = int(math.ceil(trainable / 1e6) * 1e6)  # whole millions: a readable number in the JSON
-    if size >= current:
-        return ds, None
-    ds = json.loads(json.dumps(ds))
-    ds.setdefault("zero_optimization", {})["reduce_bucket_size"] = size
-    return ds, (
-        f"zero_optimization.reduce_bucket_size {current:.3g} -> {size:.3g} elements: the model's "
-        f"{trainable:,} trained parameters in one bucket; DeepSpeed allocates the whole bucket at every "
-        "backward under ZeRO-1/2"
-    )
 
 
 #: traces of this process, by model, dtype and device: plans for several GPU counts trace once
@@ -150,8 +75,8 @@ class Tuner:
         opts: TuneOptions,
         watchdog=None,
     ) -> None:
-        from eva_fastclip.plan.deepspeed_json import resolve_deepspeed_config, resolve_precision
         from eva_fastclip.plan.precision import Hardware, common_hardware, detect_hardware
+        from eva_fastclip.plan.run_plan import make_plan
 
         self.cfg, self.raw, self.opts, self.watchdog = cfg, raw, opts, watchdog
         self.started = time.monotonic()
@@ -164,18 +89,17 @@ class Tuner:
             self.device = torch.device("cpu")  # where the activations are traced
             hardware = Hardware(True, True, f"{opts.gpus} planned GPUs (bf16 native, as on A100 and H100)")
         else:
-            from eva_fastclip.reliability.process import init_process_group
+            from eva_fastclip.reliability.process import join_process_group
 
-            self.rank, self.world_size, self.device = init_process_group()
+            rank = join_process_group(watchdog)
+            self.rank, self.world_size, self.device = rank.rank, rank.world_size, rank.device
             hardware = common_hardware(detect_hardware())
-        self.layout = batch_layout(cfg, self.world_size)
+        # the recipe's own plan: its global batch, precision and DeepSpeed JSON (the probes' come from theirs)
+        plan = make_plan(cfg, ds, world_size=self.world_size, hardware=hardware, inputs=False)
+        self.layout, self.precision, self.resolved = plan.layout, plan.precision, plan.deepspeed
         self.global_batch = self.layout.global_batch
         self.target = opts.contrastive_batch or self.global_batch
-        self.precision = resolve_precision(cfg, ds, source=self.source, hardware=hardware)
         self.ds_input = ds
-        self.resolved = resolve_deepspeed_config(
-            ds, cfg, self.layout, source=self.source, precision=self.precision
-        )
         self.limit = self._memory_limit()
         self.budget = int(self.limit * (1.0 - opts.margin))
         self.notes: list[str] = []
@@ -383,87 +307,18 @@ class Tuner:
             log.info("  %s%s", peak, speed)
         self._save_progress()
 
-    # ---- data -----------------------------------------------------------------------------------------
+    # ---- results --------------------------------------------------------------------------------------
 
     def _tune_data(self, chosen: Trial) -> dict[str, Any]:
-        """The fewest loader workers per rank (and the decode) that keep the data wait under 5% at the
-        chosen layout's step, measured on the real loader; or what it would take."""
-        from eva_fastclip.reliability.data_wait import cores_per_rank, workers_needed
-
+        """The loader's workers and decode for the chosen layout (tune/data_search.py)."""
         if not self.opts.data:
             self.not_measured.append("the data rate (--no-data): data.workers and data.image_decode kept")
             return {}
-        cores = cores_per_rank()
-        decode = self.cfg.data.image_decode
-        runs: list[dict[str, Any]] = []
-        workers, statement = 1, None
-        while True:
-            result = self._data_run(chosen, workers, decode)
-            runs.append(dataclasses.asdict(result))
-            if result.data_wait <= DATA_WAIT_TARGET or len(runs) >= 4:
-                break
-            needed = workers_needed(result.data_wait, workers)
-            if needed is None or needed > cores:
-                statement = (
-                    f"the loader cannot keep up: at {workers} worker(s) per rank training waited "
-                    f"{result.data_wait:.0%} of the time, and keeping up would take "
-                    f"{'more than ' + str(cores) if needed is None else needed} workers per rank "
-                    f"({'?' if needed is None else needed * self.world_size} cores for {self.world_size} "
-                    f"rank(s)), more than the {cores} cores per rank here: the run is CPU- or storage-bound "
-                    "(cheaper samples: smaller images in the shards"
-                    + (", or data.image_decode=gpu" if torch.cuda.is_available() else "")
-                    + ")"
-                )
-                break
-            if len(runs) > 1 and result.samples_per_s <= runs[-2]["samples_per_s"] * 1.05:
-                statement = (
-                    f"more workers did not speed the loader up ({runs[-2]['workers']} -> {workers} per rank: "
-                    f"{runs[-2]['samples_per_s']:.1f} -> {result.samples_per_s:.1f} samples/s): "
-                    "storage-bound or CPU-bound"
-                )
-                break
-            workers = max(needed, workers + 1)
-        best = min(runs, key=lambda r: (r["data_wait"] > DATA_WAIT_TARGET, r["workers"]))
-        if torch.cuda.is_available() and decode == "workers" and best["data_wait"] > DATA_WAIT_TARGET:
-            gpu = dataclasses.asdict(self._data_run(chosen, best["workers"], "gpu"))
-            runs.append(gpu)
-            if gpu["data_wait"] < best["data_wait"]:
-                best = gpu
-        elif not torch.cuda.is_available():
-            self.not_measured.append("data.image_decode=gpu: no CUDA device here")
-        chosen.data_wait = best["data_wait"]
-        if statement and best["data_wait"] > DATA_WAIT_TARGET:
-            self.notes.append(statement)
-        return {
-            "workers": best["workers"],
-            "image_decode": best["image_decode"],
-            "runs": runs,
-            "chosen": best,
-        }
-
-    def _data_run(self, chosen: Trial, workers: int, decode: str):
-        from eva_fastclip.tune.probe import data_probe
-
-        if self.rank == 0:
-            log.info("data: %d worker(s) per rank, decode on %s", workers, decode)
-        if self.watchdog is not None:
-            self.watchdog.set_phase("start-up", 0)
-        result = data_probe(
-            self.cfg,
-            self.ds,
-            chosen.candidate,
-            workers=workers,
-            image_decode=decode,
-            output_dir=str(self.scratch),
-            watchdog=self.watchdog,
-        )
-        if self.rank == 0:
-            log.info(
-                "  data wait %.1f%%, %.1f samples/s end to end", 100 * result.data_wait, result.samples_per_s
-            )
-        return result
-
-    # ---- results --------------------------------------------------------------------------------------
+        search = DataSearch(self.cfg, self.ds, self.world_size, self.rank, str(self.scratch), self.watchdog)
+        found = search.run(chosen)
+        self.notes += search.notes
+        self.not_measured += search.not_measured
+        return found
 
     def _fingerprint(self) -> str:
         return _fingerprint(
@@ -472,50 +327,20 @@ class Tuner:
 
     def _read_previous(self) -> dict[str, dict[str, Any]]:
         """Probes of an earlier run of the same search (same config, ranks, limit, device), by name."""
-        path = report.trials_path(self.opts.output)
-        if self.opts.estimate_only or not path.is_file():
+        if self.opts.estimate_only:
             return {}
-        try:
-            saved = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            return {}
-        if saved.get("fingerprint") != self._fingerprint():
-            return {}
-        previous = {
-            row["name"]: {
-                "peak": None if row["peak_gib"] is None else int(row["peak_gib"] * GIB),
-                "oom": row["oom"],
-                "samples_per_s": row["samples_per_s"],
-                "why": row["why"] if row["oom"] else "",
-            }
-            for row in saved.get("trials", [])
-            if row.get("probed")
-        }
-        died_in = saved.get("in_flight")
-        if died_in:  # killed in it (a hang its watchdog ended, a device error): not probed again
-            previous[died_in] = {
-                "peak": None,
-                "oom": True,
-                "samples_per_s": None,
-                "why": "the previous search ended during this probe (killed, hung or the device failed)",
-            }
-        return previous
+        return report.read_previous(report.trials_path(self.opts.output), self._fingerprint())
 
     def _trials_payload(self, in_flight: str | None = None) -> dict[str, Any]:
-        rows = []
-        for t in self.trials:
-            row = report.trial_row(t)
-            row.update(name=t.candidate.name(), probed=t.peak is not None or t.oom, oom=t.oom)
-            rows.append(row)
-        return {
-            "fingerprint": self._fingerprint(),
-            "global_batch": self.global_batch,
-            "world_size": self.world_size,
-            "memory_limit_gib": self.limit / GIB,
-            "budget_gib": self.budget / GIB,
-            "in_flight": in_flight,
-            "trials": rows,
-        }
+        return report.trials_payload(
+            self.trials,
+            fingerprint=self._fingerprint(),
+            global_batch=self.global_batch,
+            world_size=self.world_size,
+            limit=self.limit,
+            budget=self.budget,
+            in_flight=in_flight,
+        )
 
     def _save_progress(self, in_flight: str | None = None) -> None:
         if self.rank == 0:
@@ -629,7 +454,7 @@ class Tuner:
             return f"{self.opts.gpus} GPUs of {self.opts.gpu_memory_gib:g} GiB (planned)"
         if self.device.type == "cuda":
             return torch.cuda.get_device_name(self.device)
-        from benchmarks.speed import cpu_model
+        from eva_fastclip.plan.precision import cpu_model
 
         return f"CPU ({cpu_model()})"
 

@@ -1,0 +1,35 @@
+"""``eva-fastclip make-shards``: a folder of images and a CSV/JSONL of captions into training shards."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+HELP = "turn a folder of images and a CSV/JSONL of captions into shards"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--images", required=True, help="folder the captions file's image paths are relative to")
+    p.add_argument("--captions", required=True, help="CSV (with header) or JSONL file")
+    p.add_argument("--output", required=True, help="output folder for shard-*.tar and manifest.json")
+    p.add_argument("--samples-per-shard", type=int, default=10000)
+    p.add_argument("--start-index", type=int, default=0, help="dataset index of the first row")
+    p.add_argument("--image-column", default="image")
+    p.add_argument("--caption-column", default="caption")
+
+
+def run(args) -> int:
+    from eva_fastclip.data import write_shards
+
+    manifest = write_shards(
+        args.images,
+        args.captions,
+        args.output,
+        samples_per_shard=args.samples_per_shard,
+        start_index=args.start_index,
+        image_column=args.image_column,
+        caption_column=args.caption_column,
+    )
+    summary = {k: manifest[k] for k in ("num_samples", "index_min", "index_max", "skipped")}
+    print(json.dumps({"output": args.output, **summary}, indent=2))
+    return 0

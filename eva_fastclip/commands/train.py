@@ -1,0 +1,89 @@
+"""``eva-fastclip train``: check the run before step 1, then train (exit 0, or 2/3/4/75: see ``run``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from eva_fastclip.commands.common import add_config_args
+from eva_fastclip.config import load_config
+
+HELP = "train a CLIP model (run under the deepspeed launcher for several ranks)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_args(p)
+    p.add_argument(
+        "--resume", default=None, help="'latest' (newest complete checkpoint) or a checkpoint folder"
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run every check before step 1 (configs, paths, lengths), print the result and the batch "
+        "layout, then exit (2 if a check failed)",
+    )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="ranks to validate for with --dry-run (default: WORLD_SIZE from the launcher, else 1)",
+    )
+
+
+def run(args) -> int:
+    """0: done; 2 (from cli.main): a check failed; 3: non-finite steps; 4: a checkpoint could not be
+    written; 75 (PREEMPTED_EXIT_CODE): preempted, saved, resumable."""
+    from eva_fastclip.plan import preflight
+    from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
+
+    cfg = load_config(args.config, args.overrides)
+    ds = load_deepspeed_config(cfg.train.deepspeed_config)
+    if args.dry_run:
+        return dry_run(cfg, ds, args.world_size or int(os.environ.get("WORLD_SIZE", "1")), args.resume)
+    # every path the run reads or writes, on every rank (each sees its own file system), before any
+    # process group starts; the lengths and the resume's keys follow in the plan (engine/build.py)
+    preflight.raise_for_errors(preflight.check_inputs(cfg, resume=args.resume), log_warnings=False)
+    return train(cfg, ds, args.resume)
+
+
+def dry_run(cfg, ds: dict, world_size: int, resume: str | None) -> int:
+    """The run's plan on ``world_size`` ranks of this machine, printed; 2 (from cli.main) if a check
+    failed."""
+    from eva_fastclip.plan.precision import detect_hardware
+    from eva_fastclip.plan.run_plan import make_plan
+
+    plan = make_plan(cfg, ds, world_size=world_size, hardware=detect_hardware(), resume=resume)
+    print(json.dumps(plan.summary(), indent=2))
+    plan.raise_for_errors(log_warnings=False)
+    return 0
+
+
+def train(cfg, ds: dict, resume: str | None) -> int:
+    from eva_fastclip.checkpointing.checkpoint import CheckpointWriteError
+    from eva_fastclip.engine.build import build_trainer
+    from eva_fastclip.reliability.bad_steps import NonFiniteSteps
+    from eva_fastclip.reliability.preemption import PREEMPTED_EXIT_CODE, Preempted, outlive_closed_output
+    from eva_fastclip.reliability.watchdog import Watchdog
+
+    outlive_closed_output()  # a stop on several nodes closes the output first (reliability/preemption.py)
+    try:
+        with Watchdog.for_run(cfg.train) as dog:
+            build_trainer(cfg, ds, resume=resume, watchdog=dog).train()
+    except NonFiniteSteps as err:  # the last complete checkpoint is intact: say which, exit non-zero
+        _say(f"stopped: {err}")
+        return 3
+    except Preempted as err:  # saved at a step boundary: resumable, not a failure
+        _say(f"preempted: {err}")
+        return PREEMPTED_EXIT_CODE
+    except CheckpointWriteError as err:  # nothing of it left behind; the last complete one is intact
+        _say(f"stopped: {err}")
+        return 4
+    return 0
+
+
+def _say(line: str) -> None:
+    """One line on rank 0's stderr."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"eva-fastclip train: {line}", file=sys.stderr)

@@ -1,0 +1,59 @@
+"""Typed experiment configuration: load JSON, apply ``--set`` overrides, validate.
+
+- config/sections.py: the sections (model, data, loss, optim, train, eval) as typed dataclasses, the
+  experiment that holds them, and their validation; the losses' defaults and each key's choices.
+- config/loading.py: reading the JSON file, the ``--set`` overrides, building the sections from them.
+
+Every name is importable from ``eva_fastclip.config``. The batch layout derived from a config is
+eva_fastclip/plan/layout.py's.
+"""
+
+from .loading import TUNED_SECTION, config_from_raw, from_dict, load_config, read_raw_config
+from .sections import (
+    CONTRASTIVE_BATCHES,
+    IMAGE_DECODE,
+    LAMB_TRUST_RATIOS,
+    LOSS_DEFAULTS,
+    PRECISIONS,
+    PREEMPT_SIGNALS,
+    TAU_GRADIENTS,
+    TEMPERATURE_LR_DROP_RULES,
+    TEMPERATURE_RULES,
+    WEIGHT_DECAY_RULES,
+    ConfigError,
+    DataConfig,
+    EvalConfig,
+    ExperimentConfig,
+    LossConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+    gamma_decay_epochs_for,
+)
+
+__all__ = [
+    "CONTRASTIVE_BATCHES",
+    "IMAGE_DECODE",
+    "LAMB_TRUST_RATIOS",
+    "LOSS_DEFAULTS",
+    "PRECISIONS",
+    "PREEMPT_SIGNALS",
+    "TAU_GRADIENTS",
+    "TEMPERATURE_LR_DROP_RULES",
+    "TEMPERATURE_RULES",
+    "TUNED_SECTION",
+    "WEIGHT_DECAY_RULES",
+    "ConfigError",
+    "DataConfig",
+    "EvalConfig",
+    "ExperimentConfig",
+    "LossConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "TrainConfig",
+    "config_from_raw",
+    "from_dict",
+    "gamma_decay_epochs_for",
+    "load_config",
+    "read_raw_config",
+]
