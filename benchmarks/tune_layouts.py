@@ -23,14 +23,16 @@ from pathlib import Path
 
 from eva_fastclip.config import ConfigError, load_config
 from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
-from eva_fastclip.plan.layout import batch_layout
+from eva_fastclip.plan.precision import detect_hardware
+from eva_fastclip.plan.run_plan import make_plan
 from eva_fastclip.tune.layouts import Candidate
 from eva_fastclip.tune.memory_model import GIB
 from eva_fastclip.tune.probe import model_probe
 
 
 def _candidate(cfg, ds, world: int) -> Candidate:
-    layout = batch_layout(cfg, world)
+    """The layout the run plan makes of ``cfg`` on ``world`` ranks, as tune's candidate."""
+    layout = make_plan(cfg, ds, world_size=world, hardware=detect_hardware(), inputs=False).layout
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     return Candidate(
         layout.micro_batch,

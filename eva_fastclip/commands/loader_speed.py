@@ -89,27 +89,20 @@ def loader_speed(
 
 def _training_loader(cfg):
     """A function of the worker count that builds the TrainLoader as a training rank builds it (of 1
-    rank), and what the report says of it; preflight's errors first."""
+    rank: the run plan's layout), and what the report says of it; preflight's errors first."""
     import torch
 
     from eva_fastclip.data import TrainLoader
     from eva_fastclip.models import create_model
     from eva_fastclip.plan import preflight
-    from eva_fastclip.plan.layout import batch_layout
+    from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
+    from eva_fastclip.plan.precision import detect_hardware
+    from eva_fastclip.plan.run_plan import make_plan
 
-    urls, problems = preflight.check_train_shards(cfg)
-    problems += preflight.check_model(cfg) + preflight.check_image_decode(cfg)
-    sizes = None
-    if urls is not None:
-        try:
-            sizes = preflight.data_sizes(cfg, urls)
-        except ValueError as err:
-            key = next(
-                (k for k in ("data.num_samples", "data.index_size") if k in str(err)), "data.train_shards"
-            )
-            problems.append(preflight.Problem(key, str(err)))
-    preflight.raise_for_errors(problems)
-    layout = batch_layout(cfg, 1)
+    urls, sizes, problems = preflight.train_data(cfg)
+    preflight.raise_for_errors(problems + preflight.check_model(cfg) + preflight.check_image_decode(cfg))
+    ds = load_deepspeed_config(cfg.train.deepspeed_config)
+    layout = make_plan(cfg, ds, world_size=1, hardware=detect_hardware(), inputs=False).layout
     bundle = create_model(cfg.model)  # the transform and tokenizer training uses; the model is dropped
     preprocess, tokenize = bundle.preprocess_train, bundle.tokenizer
     del bundle
@@ -117,24 +110,16 @@ def _training_loader(cfg):
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else None
 
     def make(workers: int) -> TrainLoader:
-        return TrainLoader(
-            cfg.data.train_shards,
+        return TrainLoader.for_run(
+            cfg,
+            micro_batch=layout.micro_batch,
+            accumulation=layout.grad_accum_steps,
             preprocess=preprocess,
             tokenize=tokenize,
-            batch_size=layout.micro_batch,
-            seed=cfg.train.seed,
-            resampled=cfg.data.resampled,
-            weights=cfg.data.train_weights,
-            num_samples=cfg.data.num_samples,
-            index_size=cfg.data.index_size,
             needs_index=preflight.needs_index(cfg),
-            shuffle_buffer=cfg.data.shuffle_buffer,
-            workers=workers,
-            index_key=cfg.data.index_key,
+            device=device,
             sizes=sizes,
-            decode_device=device if cfg.data.image_decode == "gpu" else None,
-            pin_memory=device is not None,
-            accumulation=layout.grad_accum_steps,
+            workers=workers,
         )
 
     settings = {

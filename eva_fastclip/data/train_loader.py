@@ -36,6 +36,8 @@ import torch
 import webdataset as wds
 from torch import Tensor
 
+from eva_fastclip.config import ExperimentConfig
+
 from .epoch_plan import EpochPlan, Tiling
 from .epoch_position import EpochPosition
 from .sizes import DataSizes, resolve_sizes
@@ -75,6 +77,48 @@ class TrainLoader:
     it (a loss that keeps no per-sample state) indices are passed on unchecked, -1 where there is none.
     Every skipped sample is counted under one of :data:`SKIP_REASONS` (:attr:`skipped_by_reason`).
     """
+
+    @classmethod
+    def for_run(
+        cls,
+        cfg: ExperimentConfig,
+        *,
+        micro_batch: int,
+        accumulation: int,
+        preprocess: Preprocess,
+        tokenize: Tokenize,
+        needs_index: bool,
+        rank: int = 0,
+        world_size: int = 1,
+        device: torch.device | None = None,
+        sizes: DataSizes | None = None,
+        workers: int | None = None,
+    ) -> TrainLoader:
+        """The loader a run of ``cfg`` trains from, as the Trainer builds it (``eva-fastclip loader-speed``
+        too): its shards and data.* settings, the layout's micro-batch and accumulation, the data's sizes
+        where read already (by rank 0: plan/run_plan.py), ``workers`` in place of data.workers."""
+        data = cfg.data
+        return cls(
+            data.train_shards,
+            preprocess=preprocess,
+            tokenize=tokenize,
+            batch_size=micro_batch,
+            rank=rank,
+            world_size=world_size,
+            seed=cfg.train.seed,
+            resampled=data.resampled,
+            weights=data.train_weights,
+            num_samples=data.num_samples,
+            index_size=data.index_size,
+            needs_index=needs_index,  # only per-sample state needs indices: OpenCLIP's loss trains without
+            shuffle_buffer=data.shuffle_buffer,
+            workers=data.workers if workers is None else workers,
+            index_key=data.index_key,
+            sizes=sizes,
+            decode_device=device if data.image_decode == "gpu" else None,
+            pin_memory=device is not None and device.type == "cuda",
+            accumulation=accumulation,
+        )
 
     def __init__(
         self,

@@ -248,28 +248,17 @@ class Trainer:
 
     def _build_loader(self) -> TrainLoader:
         """The training loader of the plan's shards, sizes (read once, by rank 0) and layout."""
-        cfg, layout = self.cfg, self.layout
-        return TrainLoader(
-            cfg.data.train_shards,
+        return TrainLoader.for_run(
+            self.cfg,
+            micro_batch=self.layout.micro_batch,
+            accumulation=self.layout.grad_accum_steps,
             preprocess=self.bundle.preprocess_train,
             tokenize=self.bundle.tokenizer,
-            batch_size=layout.micro_batch,
+            needs_index=preflight.needs_index(self.cfg),
             rank=self.rank,
             world_size=self.world_size,
-            seed=cfg.train.seed,
-            resampled=cfg.data.resampled,
-            weights=cfg.data.train_weights,
-            num_samples=cfg.data.num_samples,
-            index_size=cfg.data.index_size,
-            # only per-sample state needs indices: the OpenCLIP loss trains on samples without one
-            needs_index=preflight.needs_index(cfg),
-            shuffle_buffer=cfg.data.shuffle_buffer,
-            workers=cfg.data.workers,
-            index_key=cfg.data.index_key,
+            device=self.device,
             sizes=self.plan.preflight.sizes,
-            decode_device=self.device if cfg.data.image_decode == "gpu" else None,
-            pin_memory=self.device.type == "cuda",
-            accumulation=layout.grad_accum_steps,
         )
 
     def _wire_step(self) -> None:

@@ -417,6 +417,19 @@ def needs_index(cfg: ExperimentConfig) -> bool:
     return issubclass(LOSSES[cfg.loss.name], CompositionalLoss)
 
 
+def train_data(cfg: ExperimentConfig) -> tuple[list[str] | None, DataSizes | None, list[Problem]]:
+    """The training shards checked and their sizes read: (URLs, sizes, problems); None where they could
+    not be read (the problems say why)."""
+    urls, problems = check_train_shards(cfg)
+    if urls is None:
+        return None, None, problems
+    try:
+        return urls, data_sizes(cfg, urls), problems
+    except ValueError as err:
+        key = next((k for k in ("data.num_samples", "data.index_size") if k in str(err)), "data.train_shards")
+        return urls, None, [*problems, Problem(key, str(err))]
+
+
 def data_sizes(cfg: ExperimentConfig, urls: list[str] | None = None) -> DataSizes:
     """The training data's sizes: the config's numbers, the others read from the records of the shards
     (``urls``, else those of data.train_shards). ValueError naming the key to set where none is."""

@@ -2,8 +2,8 @@
 
 ``make_plan(config, DeepSpeed JSON, world size, hardware, resume target)`` works out, in this order:
 
-1. the checkpoint to resume (``--resume``: ``latest`` or a folder), read-only: its marker says how many
-   ranks saved it, its global batch, precision, config and DeepSpeed settings;
+1. the checkpoint to resume (``--resume``: ``latest`` or a folder; checkpointing/resume_plan.py), read-only:
+   its marker says how many ranks saved it, its global batch, precision, config and DeepSpeed settings;
 2. the batch layout on ``world_size`` ranks (a checkpoint's global batch kept on another number of ranks);
 3. the checks before step 1 (plan/preflight.py): every path the run reads or writes, the data's sizes and
    the schedule's lengths; the keys a resumed run may not change;
@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eva_fastclip.checkpointing import checkpoint, resume_config
-from eva_fastclip.config import ConfigError, ExperimentConfig, gamma_decay_epochs_for
+from eva_fastclip.checkpointing import checkpoint, resume_config, resume_plan
+from eva_fastclip.checkpointing.resume_plan import ResumeDecision
+from eva_fastclip.config import ExperimentConfig, gamma_decay_epochs_for
 from eva_fastclip.plan import preflight
 from eva_fastclip.plan.deepspeed_json import resolve_deepspeed_config
-from eva_fastclip.plan.layout import BatchLayout, batch_layout
+from eva_fastclip.plan.layout import BatchLayout
 from eva_fastclip.plan.precision import (
     Hardware,
     PrecisionChoice,
@@ -40,23 +41,6 @@ from eva_fastclip.plan.precision import (
 from eva_fastclip.plan.preflight import Problem, Report
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ResumeDecision:
-    """The checkpoint a run goes on from, and what going on from it takes."""
-
-    folder: Path
-    marker: dict[str, Any]
-    """Its COMPLETE.json: step, world size, layout, precision, config, DeepSpeed settings."""
-    universal: Path | None
-    """Where its conversion for this number of ranks lives (ZeRO partitions of another world size)."""
-    changes: tuple[resume_config.Change, ...] = ()
-    """The keys this run changes, each with its rule (a refused one is also a preflight error)."""
-
-    @property
-    def saved_ranks(self) -> int:
-        return self.marker["world_size"]
 
 
 @dataclass(frozen=True)
@@ -135,9 +119,11 @@ def make_plan(
     source = cfg.train.deepspeed_config
     root = Path(cfg.train.output_dir) / "checkpoints"
     report = Report()
-    decision = _resume_decision(resume, root, world_size, report) if inputs and resume is not None else None
-    saved_global = decision.marker.get("global_batch") if decision is not None else None
-    layout = _layout(cfg, world_size, decision, saved_global)
+    decision = None
+    if inputs and resume is not None:
+        decision, problems = resume_plan.decide(resume, root, world_size)
+        report.problems += [Problem(key, message) for key, message in problems]
+    layout = resume_plan.layout_keeping(cfg, world_size, decision)
     if inputs:
         report.problems += preflight.check_inputs(cfg, resume=resume, train_shards=loader_batches is None)
     epoch_batches = loader_batches
@@ -156,10 +142,11 @@ def make_plan(
         notes.append((logging.WARNING, precision.warning))
     resolved = resolve_deepspeed_config(ds, config, layout, source=source, precision=precision)
     if decision is not None:
-        decision = _compare_settings(decision, config, resolved, report)
+        decision = resume_plan.compare_settings(decision, config, resume_config.deepspeed_settings(resolved))
+        report.problems += [Problem(key, why) for key, why in resume_plan.refusals(decision)]
         if decision.universal is not None:
             resolved["checkpoint"] = {**resolved.get("checkpoint", {}), "load_universal": True}
-        notes += _resume_notes(decision, layout, cfg)
+        notes += resume_plan.notes(decision, layout, cfg)
     return RunPlan(
         config=config,
         world_size=world_size,
@@ -174,90 +161,15 @@ def make_plan(
     )
 
 
-# ---- the resume decision -------------------------------------------------------------------------------
-
-
-def _resume_decision(resume, root: Path, world_size: int, report: Report) -> ResumeDecision | None:
-    """The checkpoint ``--resume`` names (None: ``latest`` with none yet, or a problem in ``report``)."""
-    try:
-        folder = checkpoint.resolve_resume(str(resume), root)
-    except (FileNotFoundError, ValueError) as err:
-        report.problems.append(Problem("--resume", str(err)))
-        return None
-    if folder is None:
-        return None
-    marker = checkpoint.read_marker(folder)
-    converted = checkpoint.needs_conversion(folder, world_size)
-    return ResumeDecision(folder, marker, checkpoint.universal_folder(folder) if converted else None)
-
-
-def _layout(
-    cfg: ExperimentConfig, world_size: int, decision: ResumeDecision | None, saved_global: int | None
-) -> BatchLayout:
-    """The batch layout; on another number of ranks than the checkpoint's, one that keeps its global batch
-    (with train.global_batch the config's is kept: a changed value is the user's choice)."""
-    if decision is None or saved_global is None or decision.saved_ranks == world_size:
-        return batch_layout(cfg, world_size)
-    try:
-        return batch_layout(cfg, world_size, resumed_global=saved_global)
-    except ConfigError as err:
-        raise ConfigError(f"{decision.folder} was saved by {decision.saved_ranks} ranks: {err}") from None
-
-
-def _compare_settings(
-    decision: ResumeDecision, config: ExperimentConfig, resolved: dict[str, Any], report: Report
-) -> ResumeDecision:
-    """The keys this run changes against the checkpoint's; those that cannot change are errors."""
-    saved = checkpoint.saved_settings(decision.folder)
-    new = {"config": config.to_dict(), "deepspeed": resume_config.deepspeed_settings(resolved)}
-    changes = tuple(resume_config.compare(saved, new))
-    where = str(decision.folder)
-    report.problems += [Problem(c.key, c.refusal(where)) for c in changes if c.refused]
-    return dataclasses.replace(decision, changes=changes)
-
-
-def _resume_notes(decision: ResumeDecision, layout: BatchLayout, cfg: ExperimentConfig) -> list:
-    saved, ranks = decision.marker.get("global_batch"), decision.saved_ranks
-    if saved is None or ranks == layout.world_size:
-        return []
-    folder = decision.folder
-    if cfg.train.global_batch is not None:
-        if layout.global_batch == saved:
-            return []
-        return [
-            (
-                logging.INFO,
-                f"{folder} was saved with a global batch of {saved}; train.global_batch="
-                f"{layout.global_batch} applies from here",
-            )
-        ]
-    if layout.grad_accum_steps == cfg.train.grad_accum_steps:
-        return []
-    return [
-        (
-            logging.INFO,
-            f"{folder} was saved by {ranks} ranks: its global batch of {saved} is kept on "
-            f"{layout.world_size} ranks with train.grad_accum_steps={layout.grad_accum_steps} (was "
-            f"{cfg.train.grad_accum_steps})",
-        )
-    ]
-
-
 # ---- data, length, precision ---------------------------------------------------------------------------
 
 
 def _read_sizes(cfg: ExperimentConfig, layout: BatchLayout, report: Report) -> int | None:
     """The training shards checked and their sizes read; the micro-batches a rank draws per epoch (whole
     optimizer steps, as the loader cuts them), or None where they could not be read."""
-    urls, problems = preflight.check_train_shards(cfg)
+    _, report.sizes, problems = preflight.train_data(cfg)
     report.problems += problems
-    if urls is None:
-        return None
-    try:
-        report.sizes = preflight.data_sizes(cfg, urls)
-    except ValueError as err:
-        key = next((k for k in ("data.num_samples", "data.index_size") if k in str(err)), "data.train_shards")
-        report.problems.append(Problem(key, str(err)))
+    if report.sizes is None:
         return None
     samples = report.sizes.num_samples
     report.problems += preflight.check_schedule(

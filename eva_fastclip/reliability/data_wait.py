@@ -43,6 +43,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from eva_fastclip.reliability.process import local_world_size
+
 #: a window that waited on data longer than this share of its time gets a warning (rank 0)
 WARN_ABOVE = 0.10
 #: after a warning, the next only this many seconds later, unless it takes more workers than it said
@@ -96,9 +98,9 @@ def workers_needed(wait_fraction: float, workers: int) -> int | None:
 
 
 def cores_per_rank() -> int:
-    """CPU cores this process may use, shared by the ranks on this machine (LOCAL_WORLD_SIZE)."""
+    """CPU cores this process may use, shared by the ranks on this machine (reliability/process.py)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, cores // local_world_size())
 
 
 class DataWait:

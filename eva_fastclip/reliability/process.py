@@ -23,6 +23,15 @@ import torch.distributed as dist
 from eva_fastclip.config import ConfigError
 
 
+def local_world_size() -> int:
+    """Ranks on this machine: torchrun's LOCAL_WORLD_SIZE, DeepSpeed's launch.py's LOCAL_SIZE (it sets no
+    LOCAL_WORLD_SIZE), else every rank of the run (one machine)."""
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "WORLD_SIZE"):
+        if os.environ.get(key):
+            return int(os.environ[key])
+    return 1
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -98,8 +107,7 @@ def init_process_group() -> tuple[int, int, torch.device]:
     accelerator = get_accelerator()
     if accelerator.device_name() == "cpu":
         # ranks on one machine share its cores: without this each rank starts one thread per core
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size()))
         keep_freed_host_memory()
     _default_rendezvous_env()
     try:

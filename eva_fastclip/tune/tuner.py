@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from eva_fastclip.config import ConfigError, ExperimentConfig
-from eva_fastclip.reliability.process import on_rank0
+from eva_fastclip.reliability.process import local_world_size, on_rank0
 from eva_fastclip.tune import report
 from eva_fastclip.tune.data_search import DATA_WAIT_TARGET, DataSearch
 from eva_fastclip.tune.layouts import (
@@ -127,7 +127,7 @@ class Tuner:
             return limit
         if opts.memory_limit_gib is not None:
             return int(opts.memory_limit_gib * GIB)
-        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        ranks_here = local_world_size()
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks_here
 
     def _trace(self) -> dict[str, Any]:
@@ -351,7 +351,7 @@ class Tuner:
             "evaluation memory (eval.batch_size is not probed: evaluation runs without gradients)",
         ]
         if not self.opts.estimate_only:
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.world_size)))
+            local = local_world_size()
             if local == self.world_size and self.world_size > 1:
                 self.not_measured.append("inter-node bandwidth: every rank is on this node")
             if self.footprint.device == "cuda" and self.footprint.table_rows:
