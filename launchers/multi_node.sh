@@ -7,7 +7,7 @@
 # more: a --set whose value holds quotes (a JSON list of paths) belongs in the config file instead.
 # MAX_RESTARTS=N reruns a failed run with --resume latest up to N times, leaving out hosts that no longer
 # answer ssh while at least MIN_NODES (default 1) remain (docs/reliability.md).
-# tests/test_multi_node.py runs this script across two loopback "hosts" (docs/launching.md).
+# tests/launched/test_multi_node.py runs this script across two loopback "hosts" (docs/launching.md).
 set -euo pipefail
 config=${1:?usage: multi_node.sh CONFIG.json [eva-fastclip train options]}
 shift

@@ -1,6 +1,7 @@
 """Two optimizer steps of 2 micro-batches each, with fixed pairs, through the real Trainer: the layouts that
-tests/test_accumulation.py compares. Run as a program (``deepspeed --num_gpus 2 tests/accumulation_ranks.py
-OUT``), every rank saves what it holds after the steps to ``OUT/<loss>_rank<K>.pt``.
+tests/test_accumulation.py and tests/launched/test_accumulation_two_ranks.py compare. On 2 ranks
+(:func:`two_ranks`, a piece of tests/launched/two_rank_suite.py) every rank saves what it holds after the
+steps to ``OUT/<loss>_rank<K>.pt``.
 
 Micro-batch t of a step is POOL pairs; on K ranks rank k takes its k-th slice of them, so K ranks x POOL/K
 pairs and 1 rank x POOL pairs put the same pairs in every loss evaluation (the contrastive batch).
@@ -8,7 +9,6 @@ pairs and 1 rank x POOL pairs put the same pairs in every loss evaluation (the c
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -90,11 +90,9 @@ def run(trainer: Trainer, steps, order=tuple(range(ACCUM)), micro_batches=None) 
     return {"weights": weights, "lo": state.lo, "table": state.values.clone()}
 
 
-if __name__ == "__main__":
-    out = Path(sys.argv[-1])  # after the launcher's --local_rank=K
-    out.mkdir(parents=True, exist_ok=True)
-    rank = int(os.environ["RANK"])
+def two_ranks(out: Path) -> None:
+    """Every rank of the launch: each loss of LOSSES, POOL/K pairs a micro-batch on each of the K ranks."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     for name in LOSSES:
-        world = int(os.environ["WORLD_SIZE"])
         trainer = make_trainer(out / f"{name}_ranks", name, POOL // world)
         torch.save(run(trainer, step_pairs()), out / f"{name}_rank{rank}.pt")

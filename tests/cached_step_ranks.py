@@ -1,7 +1,7 @@
 """Optimizer steps of a whole dataset of DATASET pairs, one step an epoch, through the real Trainer: the
-layouts that tests/test_cached_step.py compares. Run as a program (``deepspeed --num_gpus 2
-tests/cached_step_ranks.py OUT``), every rank saves what it holds after the steps of each configuration of
-LAUNCHED to ``OUT/<name>_rank<K>.pt``.
+layouts that tests/test_cached_step.py and tests/launched/test_cached_step_two_ranks.py compare. On 2 ranks
+(:func:`two_ranks`, a piece of tests/launched/two_rank_suite.py) every rank saves what it holds after the
+steps of each configuration of LAUNCHED to ``OUT/<name>_rank<K>.pt``.
 
 Every step takes all DATASET pairs in a new order, in its own epoch: step 2 reads the u (and tau_i) that
 step 1 committed (gamma < 1 from epoch 1 on), step 3 those of step 2. A layout splits the step's pairs
@@ -12,7 +12,6 @@ sample's key (its crop and token mask) from the seed, the epoch and its index, a
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -120,9 +119,21 @@ def run(trainer: Trainer, steps=None) -> dict:
     }
 
 
-if __name__ == "__main__":
-    out = Path(sys.argv[-1])  # after the launcher's --local_rank=K
-    out.mkdir(parents=True, exist_ok=True)
+#: each loss's reference, made once in a process: the unit tests and the launched ones compare with it
+_ONE_MICRO_BATCH: dict[str, dict] = {}
+
+
+def one_micro_batch(loss: str, folder: Path) -> dict:
+    """The reference of ``loss``: 1 rank x one micro-batch of all DATASET pairs (ZeRO-1, 50% masking), run
+    in this process the first time it is asked for (its Trainer's files under ``folder``)."""
+    if loss not in _ONE_MICRO_BATCH:
+        _ONE_MICRO_BATCH[loss] = run(make_trainer(folder / loss, loss, DATASET, 1))
+    return _ONE_MICRO_BATCH[loss]
+
+
+def two_ranks(out: Path) -> None:
+    """Every rank of the launch: each configuration of LAUNCHED, 4 micro-batches of DATASET/(4K) pairs on
+    each of the K ranks."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     per_rank = DATASET // world
     for loss, stage in LAUNCHED:

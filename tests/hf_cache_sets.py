@@ -10,7 +10,7 @@ folders, file names, Arrow schema and metadata):
 The Arrow file is a stream whose image column holds absolute paths (no bytes) under the cache as it was
 when written, ``written_at``: a cache moved since must be found again. Each image holds a feature vector
 in its pixels (eval_sets.vector_png; PNG bytes, which PIL reads whatever the extension, so the features
-survive exactly).
+survive exactly). ``make_instances`` makes WinoGAViL instances whose tied candidates tie exactly.
 """
 
 from __future__ import annotations
@@ -20,9 +20,35 @@ import hashlib
 import json
 from pathlib import Path
 
-from eval_sets import vector_png
+import numpy as np
+from eval_sets import CAPTIONS, DIM, vector_png
+
+from eva_fastclip.evaluation.winogavil import cue_prompt
 
 BASE_URL = "https://huggingface.co/datasets/nlphuji/winogavil/resolve/main/"
+
+
+CUES = ["Moon", "apple", "Owl", "fire", "winter", "ice", "sand", "unicorn", "gold", "echo", "tree", "rain"]
+
+
+def make_instances(seed: int = 0) -> list[dict]:
+    """Instances of 5, 6, 10, 12 and 7 candidates (7: in no size group). An image is a scaled axis, so
+    its similarity with a cue is one component of the cue's unit vector, the same bits whichever the
+    arithmetic: the images that repeat within an instance tie exactly, for the choice to break."""
+    rng = np.random.default_rng(seed)
+    instances = []
+    for i, cue in enumerate(CUES):
+        size = [5, 6, 10, 12, 7][i % 5]
+        axes = rng.choice(DIM, 3, replace=False)  # 3 distinct images, each used often
+        looks = np.eye(DIM)[axes] * rng.choice([0.5, 1.0, 2.0], (3, 1))
+        vectors = looks[rng.integers(0, 3, size)]
+        candidates = [f"{cue.lower()}_{j}" for j in range(size)]
+        associations = list(rng.choice(candidates, int(rng.integers(2, size // 2 + 1)), replace=False))
+        instances.append(
+            {"cue": cue, "candidates": candidates, "associations": associations, "vectors": vectors.tolist()}
+        )
+        CAPTIONS[cue_prompt(cue)] = (np.round(rng.normal(size=DIM) * 4) / 4).tolist()
+    return instances
 
 
 def _sha(text: str) -> str:

@@ -7,15 +7,21 @@ it here.
   gradient all-reduce, everywhere).
 - ``EVA_TEST_RECORD=FOLDER``: every rank writes ``FOLDER/rank_K.json`` as it leaves: its exit code and, if
   it stopped for non-finite steps, the step and the message; rank 0 writes ``FOLDER/saved_STEP.json`` after
-  each save: the SHA-256 of every file of the checkpoint.
+  each save: the SHA-256 of every file of the checkpoint, and ``FOLDER/listed_STEP.json``: the names in the
+  checkpoints folder then.
+- ``EVA_TEST_LIMIT_FILE_SIZE=BYTES``: after its first save, every rank, and what it starts from then on, may
+  write at most BYTES to a file (RLIMIT_FSIZE, ``ulimit -f``): the kernel refuses a larger write with EFBIG
+  (Python ignores SIGXFSZ), as a full file system refuses it with ENOSPC.
 - ``EVA_TEST_DUMP_LOADED=FOLDER``: once the trainer is set up (a resume loaded), every rank writes
   ``FOLDER/rank_K.pt``: its optimizer steps per group and, on rank 0, the full fp32 weights and moments of
-  every trained parameter, gathered from the ZeRO partitions by DeepSpeed's own accessors.
+  every trained parameter, gathered from the ZeRO partitions by DeepSpeed's own accessors
+  (:func:`loaded_state`, which tests call on a Trainer of their own process too).
 """
 
 import hashlib
 import json
 import os
+import resource
 import sys
 from pathlib import Path
 
@@ -66,30 +72,51 @@ def record_saves(folder: Path) -> None:
             digest = {str(p.relative_to(saved)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
             folder.mkdir(parents=True, exist_ok=True)
             (folder / f"saved_{self.step}.json").write_text(json.dumps(digest))
+            listed = sorted(path.name for path in saved.parent.iterdir())
+            (folder / f"listed_{self.step}.json").write_text(json.dumps(listed))
         return saved
 
     Trainer.save = save
 
 
-def dump_loaded(folder: Path) -> None:
+def limit_file_size_after_first_save(limit: int) -> None:
+    real = Trainer.save
+
+    def save(self):
+        saved = real(self)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # the same limit again: no change
+        return saved
+
+    Trainer.save = save
+
+
+def loaded_state(trainer: Trainer) -> dict:
+    """The trainer's optimizer steps per group and, on rank 0, the full fp32 weights and moments of every
+    trained parameter, gathered from the ZeRO partitions by DeepSpeed's own accessors (collectives: every
+    rank calls it)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+    params = {}
+    for name, param in trainer.engine.module.named_parameters():
+        if param.requires_grad:  # collectives: every rank gathers every parameter, in the same order
+            params[name] = {
+                "fp32": safe_get_full_fp32_param(param).clone(),
+                "exp_avg": safe_get_full_optimizer_state(param, "exp_avg").clone(),
+                "exp_avg_sq": safe_get_full_optimizer_state(param, "exp_avg_sq").clone(),
+            }
+    base = trainer.engine.optimizer.optimizer  # ZeRO's wrapper holds the optimizer that steps
+    steps = [int(base.state[group["params"][0]]["step"]) for group in base.param_groups]
+    return {"steps": steps, "params": params if trainer.is_main else {}}
+
+
+def dump_loaded(folder: Path) -> None:
     real = Trainer.__init__
 
     def __init__(self, *args, **kwargs):
         real(self, *args, **kwargs)
-        params = {}
-        for name, param in self.engine.module.named_parameters():
-            if param.requires_grad:  # collectives: every rank gathers every parameter, in the same order
-                params[name] = {
-                    "fp32": safe_get_full_fp32_param(param).clone(),
-                    "exp_avg": safe_get_full_optimizer_state(param, "exp_avg").clone(),
-                    "exp_avg_sq": safe_get_full_optimizer_state(param, "exp_avg_sq").clone(),
-                }
-        base = self.engine.optimizer.optimizer  # ZeRO's wrapper holds the optimizer that steps
-        steps = [int(base.state[group["params"][0]]["step"]) for group in base.param_groups]
+        state = loaded_state(self)
         folder.mkdir(parents=True, exist_ok=True)
-        torch.save({"steps": steps, "params": params if self.is_main else {}}, folder / f"rank_{RANK}.pt")
+        torch.save(state, folder / f"rank_{RANK}.pt")
 
     Trainer.__init__ = __init__
 
@@ -100,7 +127,9 @@ if __name__ == "__main__":
     if os.environ.get("EVA_TEST_DUMP_LOADED"):
         dump_loaded(Path(os.environ["EVA_TEST_DUMP_LOADED"]))
     record_stop()
-    if os.environ.get("EVA_TEST_RECORD"):
+    if os.environ.get("EVA_TEST_LIMIT_FILE_SIZE"):
+        limit_file_size_after_first_save(int(os.environ["EVA_TEST_LIMIT_FILE_SIZE"]))
+    if os.environ.get("EVA_TEST_RECORD"):  # its few bytes a save fit under the limit
         record_saves(Path(os.environ["EVA_TEST_RECORD"]))
     code = main(sys.argv[1:])
     if os.environ.get("EVA_TEST_RECORD"):

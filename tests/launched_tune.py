@@ -1,11 +1,13 @@
-"""The user's three commands of tests/test_tune.py in one launch (``deepspeed --num_gpus 2
-tests/launched_tune.py OUT CONFIG_ARGS...``), each through ``eva_fastclip.cli.main`` as the launcher would
-run it, so the launcher's start-up is paid once:
+"""The user's three commands of tests/launched/test_tune_two_ranks.py in one launch (``deepspeed --num_gpus 2
+tests/launched_tune.py OUT CONFIG_ARGS...``, or the rank pool's ranks), each through
+``eva_fastclip.cli.main`` as the launcher would run it, so the ranks' start-up is paid once:
 
 1. ``tune`` without a limit: OUT/first.json (its trials measure the two largest micro-batches);
 2. ``tune --memory-limit-gib L --memory-margin 0 --no-data`` with L halfway between those two measured
    peaks: OUT/second.json;
-3. ``train --config OUT/second.json`` for 2 steps.
+3. ``train --config OUT/second.json`` for 2 steps, loading in the training process (``data.workers=0``:
+   the layout and DeepSpeed JSON that tune chose are what it trains; its loader workers are the first
+   search's to measure).
 
 Each command's exit code goes to OUT/codes_rank_K.json; rank 0 writes OUT/limit.txt.
 """
@@ -47,7 +49,8 @@ if __name__ == "__main__":
     second = ["--output", str(out / "second.json"), "--memory-limit-gib", repr(limit), "--memory-margin", "0"]
     codes.append(main(["tune", *config_args, *second, "--no-data"]))
     dist.barrier()
-    trained = ["--set", "train.steps=2", "--set", f"train.output_dir={out / 'trained'}"]
-    unevaluated = ["--set", "eval.zeroshot_dir=null", "--set", "eval.retrieval_shards=null"]
-    codes.append(main(["train", "--config", str(out / "second.json"), *trained, *unevaluated]))
+    sets = [f"train.output_dir={out / 'trained'}", "train.steps=2", "data.workers=0"]
+    sets += ["eval.zeroshot_dir=null", "eval.retrieval_shards=null"]
+    trained = [arg for value in sets for arg in ("--set", value)]
+    codes.append(main(["train", "--config", str(out / "second.json"), *trained]))
     (out / f"codes_rank_{RANK}.json").write_text(json.dumps(codes))

@@ -1,9 +1,10 @@
 """Gradient accumulation and ZeRO stage 2 with a compositional loss, through the real DeepSpeed engine (fp32):
 the per-sample state of every micro-batch is committed together at the optimizer step, and ZeRO-2
 (gradients partitioned) takes exactly the step that ZeRO-1 takes. Which layouts of the same global batch take
-the same step (docs/losses.md, Gradient accumulation): 2 ranks x 4 pairs x 2 micro-batches and 1 rank x 8 x 2
-(a real 2-rank launch), the micro-batches of a step in either order; and which do not: 1 rank x 2
-micro-batches of 4 against 1 micro-batch of 8 (the step of 2 ranks x 1 micro-batch of 4)."""
+the same step (docs/losses.md, Gradient accumulation): the micro-batches of a step in either order, and 2
+ranks x 4 pairs x 2 micro-batches against 1 rank x 8 x 2 (tests/launched/test_accumulation_two_ranks.py);
+and which do not: 1 rank x 2 micro-batches of 4 against 1 micro-batch of 8 (the step of 2 ranks x 1
+micro-batch of 4)."""
 
 import json
 import math
@@ -12,7 +13,6 @@ from pathlib import Path
 import accumulation_ranks as layouts
 import pytest
 import torch
-from launching import launch_ranks
 
 from eva_fastclip.config import load_config
 from eva_fastclip.engine.build import build_trainer
@@ -132,36 +132,10 @@ def test_zero2_takes_the_same_step_as_zero1(stepped):
 # ---- which layouts take the same step ----------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """2 ranks x 4 pairs x 2 micro-batches, each loss of accumulation_ranks.LOSSES: every rank's state."""
-    out = tmp_path_factory.mktemp("two_ranks")
-    launch_ranks(2, ["tests/accumulation_ranks.py", str(out)])
-    return {name: [torch.load(out / f"{name}_rank{r}.pt") for r in range(2)] for name in layouts.LOSSES}
-
-
-def whole_table(ranks: list[dict]) -> torch.Tensor:
-    """The per-sample table of every index, from the ranks' index ranges."""
-    ranks = sorted(ranks, key=lambda r: r["lo"])
-    return torch.cat([r["table"] for r in ranks])
-
-
 def assert_same_step(got: dict, want: dict, table: torch.Tensor | None = None) -> None:
     for name, value in want["weights"].items():
         torch.testing.assert_close(got["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
     torch.testing.assert_close(got["table"] if table is None else table, want["table"], rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("loss", layouts.LOSSES)
-def test_two_ranks_take_the_step_of_one_rank_with_the_same_contrastive_batch(two_ranks, loss, tmp_path):
-    """2 ranks x micro-batch 4 x 2 and 1 rank x micro-batch 8 x 2, the same pairs in each loss evaluation:
-    the same weights, temperature and per-sample state after two steps (the second reads the first's u and
-    tau_i, with gamma < 1). The 2-rank weights are the same on both ranks (one optimizer step of the average
-    gradient)."""
-    one = layouts.run(layouts.make_trainer(tmp_path, loss, layouts.POOL), layouts.step_pairs())
-    ranks = two_ranks[loss]
-    assert_same_step(ranks[0], one, table=whole_table(ranks))
-    assert_same_step(ranks[1], one, table=whole_table(ranks))
 
 
 def test_the_order_of_the_micro_batches_does_not_change_the_step(tmp_path, caplog):
@@ -185,8 +159,9 @@ def test_the_order_of_the_micro_batches_does_not_change_the_step(tmp_path, caplo
 
 def test_another_contrastive_batch_is_another_step(tmp_path):
     """The same 16 pairs per step as 2 micro-batches of 4 (each loss evaluation sees 4 pairs) and as 1
-    micro-batch of 8 (sees 8: the step of 2 ranks x 1 micro-batch of 4, by the test above and
-    test_compositional_distributed.py): other negatives, another step."""
+    micro-batch of 8 (sees 8: the step of 2 ranks x 1 micro-batch of 4, by
+    launched/test_accumulation_two_ranks.py and launched/test_compositional_distributed.py): other
+    negatives, another step."""
     steps = [pairs[:1] for pairs in layouts.step_pairs()]  # one micro-batch of 8 pairs a step
 
     def halves(pairs):

@@ -11,14 +11,12 @@ import open_clip
 import pytest
 import torch
 from PIL import Image
+from stand_ins import toy_config, toy_trainer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torchvision import transforms
 
-from eva_fastclip.config import load_config
 from eva_fastclip.data import TrainLoader, write_shard
 from eva_fastclip.data.tar_reader import SKIP_REASONS
-from eva_fastclip.engine.build import build_trainer
-from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 
 PREPROCESS = transforms.Compose([transforms.Resize((8, 8)), transforms.ToTensor()])
 INDEX_SIZE = 24
@@ -177,25 +175,19 @@ def test_skip_counts_go_on_after_a_resume(corpus, tokenize, workers):
 
 
 def corrupt_run_config(corpus: list[str], output_dir: Path, *overrides: str):
-    return load_config(
-        "configs/toy.json",
-        [
-            "model.name=test-vit-xs",
-            "loss.name=fastclip_v3",
-            f'data.train_shards=["{corpus[0]}", "{corpus[1]}"]',
-            "data.workers=2",  # one shard each: the counts of both worker processes add up
-            "data.shuffle_buffer=0",
-            f"data.num_samples={len(GOOD - NO_JSON)}",
-            f"data.index_size={INDEX_SIZE}",
-            "train.batch_size=4",
-            "train.epochs=1",
-            "train.log_every_steps=2",
-            f"train.output_dir={output_dir}",
-            "optim.warmup_steps=1",
-            "eval.zeroshot_dir=null",
-            "eval.retrieval_shards=null",
-            *overrides,
-        ],
+    return toy_config(
+        output_dir,
+        "loss.name=fastclip_v3",
+        f'data.train_shards=["{corpus[0]}", "{corpus[1]}"]',
+        "data.workers=2",  # one shard each: the counts of both worker processes add up
+        "data.shuffle_buffer=0",
+        f"data.num_samples={len(GOOD - NO_JSON)}",
+        f"data.index_size={INDEX_SIZE}",
+        "train.batch_size=4",
+        "train.epochs=1",
+        "train.log_every_steps=2",
+        "optim.warmup_steps=1",
+        *overrides,
     )
 
 
@@ -210,7 +202,7 @@ def last_skip_counts(output_dir: Path) -> tuple[int, dict[str, float]]:
 def test_a_run_over_corrupt_shards_finishes_and_logs_every_skip(corpus, tmp_path, caplog):
     output_dir = tmp_path / "run"
     cfg = corrupt_run_config(corpus, output_dir)
-    trainer = build_trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config))
+    trainer = toy_trainer(cfg)
     with caplog.at_level(logging.WARNING, logger="eva_fastclip"):
         trainer.train()
     assert trainer.step == 4
@@ -237,7 +229,7 @@ def test_a_resumed_run_logs_the_skips_of_the_whole_run(corpus, tmp_path):
     output_dir = tmp_path / "run"
     for steps, resume in ((2, None), (4, "latest")):
         cfg = corrupt_run_config(corpus, output_dir, f"train.steps={steps}", "train.save_every_steps=2")
-        trainer = build_trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), resume=resume)
+        trainer = toy_trainer(cfg, resume=resume)
         trainer.train()
         assert trainer.step == steps
     assert last_skip_counts(output_dir) == (4, expected_skips(needs_index=True))
@@ -271,31 +263,3 @@ def test_a_stream_that_only_fails_stops_naming_its_shards(tmp_path, tokenize, wo
     message = str(raised.value)
     assert "1000 samples in a row could not be read or used" in message
     assert "from 2 shard(s)" in message and "all-bad.tar" in message and "not-a-tar.tar" in message
-
-
-def test_a_loader_worker_that_dies_ends_the_epoch_naming_it(corpus, tokenize):
-    """SIGKILL to a worker (the OOM killer): the epoch fails naming the worker's pid and its signal, whether
-    PyTorch's status check (every 5 s) saw it first or its queue's pipe broke first; the worker is the
-    fork server's child, not the rank's."""
-    import os
-    import signal
-    import time
-
-    loader = TrainLoader(
-        # 9 batches a worker: a worker runs at most 2 batches ahead (prefetch), so the victim has work left
-        corpus, preprocess=PREPROCESS, tokenize=tokenize, batch_size=1, num_samples=len(GOOD), workers=2,
-        needs_index=False, shuffle_buffer=0,
-    )  # fmt: skip
-    batches = iter(loader)
-    next(batches)
-    (victim, *_) = loader.worker_pids
-    os.kill(victim, signal.SIGKILL)
-    killed = time.monotonic()
-    named = (
-        rf"training loader worker\(s\) died: pid {victim} \(exit code -9\)"
-        rf"|DataLoader worker \(pid\(s\) [^)]*{victim}[^)]*\) exited unexpectedly"  # PyTorch's, as it is
-    )
-    with pytest.raises(RuntimeError, match=named):
-        for _ in batches:
-            pass
-    print(f"a dead loader worker was named {time.monotonic() - killed:.1f} s after its SIGKILL")

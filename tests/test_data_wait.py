@@ -1,6 +1,7 @@
 """The trainer's measure of the time steps wait on data (reliability/data_wait.py): exact window metrics on a
 fake clock, the workers-needed formula against the rates it comes from, the warning's cadence; and a real
-(one-rank, in-process) run with a loader that sleeps per batch and one that does not."""
+(one-rank, in-process) run with a loader that sleeps per batch and one that does not. Every rank logs the
+slowest rank's wait: tests/launched/test_data_wait_two_ranks.py."""
 
 import logging
 import math
@@ -10,13 +11,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from eva_fastclip.reliability.data_wait import (
-    WARN_AGAIN_AFTER_S,
-    DataWait,
-    Window,
-    slowest_rank,
-    workers_needed,
-)
+from eva_fastclip.reliability.data_wait import WARN_AGAIN_AFTER_S, DataWait, Window, workers_needed
 
 
 class FakeClock:
@@ -230,36 +225,3 @@ def test_a_run_measures_its_wait_on_data(tmp_path, caplog, sleep):
         assert f"data.workers={needed} would" in warnings[-1]
     else:
         assert fraction < 0.05 and not warnings
-
-
-def slowest_of_two_ranks(rank, port, out):
-    """One rank of a 2-process gloo group: its second batch takes 1 s (rank 0) or 3 s (rank 1)."""
-    import json
-    import os
-
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    clock = FakeClock()
-    meter = DataWait(workers=1, samples_per_step=4, world_size=2, clock=clock)
-    train(meter, clock, [TimedBatches(clock, [0.0, 1.0 + 2.0 * rank])], compute=1.0)
-    metrics = meter.metrics(slowest_rank(meter.end_window(), torch.device("cpu"))[0])
-    dist.destroy_process_group()
-    (out / f"{rank}.json").write_text(json.dumps(metrics))
-
-
-def test_every_rank_logs_the_slowest_rank_s_wait(tmp_path):
-    import json
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    mp.spawn(slowest_of_two_ranks, args=(port, tmp_path), nprocs=2)
-    # rank 0 waits 1 s of its 1 + 2 s, rank 1 3 s of its 1 + 4 s: both log rank 1's 3/5
-    for rank in range(2):
-        metrics = json.loads((tmp_path / f"{rank}.json").read_text())
-        assert metrics["perf/data_wait_fraction"] == pytest.approx(3 / 5)

@@ -17,6 +17,7 @@ from eval_sets import (
     write_classification_folder,
     write_retrieval_folder,
 )
+from thread_ranks import on_ranks
 
 from eva_fastclip.cli import main
 from eva_fastclip.config import load_config
@@ -213,8 +214,7 @@ def full_root(tmp_path_factory):
     """All 38 tasks as DataComp's download leaves them: a wds_*_test folder for each of the 35 webdataset
     tasks (WILDS and fairness with their metadata), Flickr and WinoGAViL in hf_cache; MSCOCO as
     clip_benchmark's retrieval folder, the other source read."""
-    from hf_cache_sets import write_retrieval_cache, write_winogavil_cache
-    from test_winogavil import make_instances
+    from hf_cache_sets import make_instances, write_retrieval_cache, write_winogavil_cache
 
     rng = np.random.default_rng(1)
     root = tmp_path_factory.mktemp("datacomp_root")
@@ -286,7 +286,6 @@ def test_eval_suite_from_the_command_line_on_all_38_tasks(full_root, tmp_path, c
 
 
 def test_ranks_that_see_different_task_folders_all_stop(root, tmp_path):
-    from test_evaluation import on_ranks
 
     root, _ = root
     (tmp_path / "wds_cifar10_test").symlink_to(root / "wds_cifar10_test")
@@ -385,8 +384,7 @@ class AutocastRecordingModel(FakeModel):
 def test_datacomp_precision_autocasts_the_stages_datacomp_autocasts(tmp_path, monkeypatch):
     """fp16 on a GPU only; where it applies: the classifier's prompts (not the images), both retrieval
     towers and both WinoGAViL towers. Checked on a CPU with bf16 standing for the GPU's fp16."""
-    from hf_cache_sets import write_winogavil_cache
-    from test_winogavil import make_instances
+    from hf_cache_sets import make_instances, write_winogavil_cache
 
     from eva_fastclip.evaluation import datacomp
 

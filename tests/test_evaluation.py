@@ -1,10 +1,9 @@
 """Evaluation: the metrics worked out by hand, the sets as clip_benchmark lays them out (and ImageNet's
 validation folder), and the sharing between ranks: K ranks (threads with a fake collective here; a real
-launch in test_eval_launch.py) give exactly one rank's result, an empty share takes part, and an error on
-one rank stops every rank instead of leaving the others waiting."""
+launch in launched/test_end_to_end.py) give exactly one rank's result, an empty share takes part, and an
+error on one rank stops every rank instead of leaving the others waiting."""
 
 import io
-import threading
 
 import numpy as np
 import pytest
@@ -20,9 +19,9 @@ from eval_sets import (
     write_classification_folder,
 )
 from PIL import Image
+from thread_ranks import on_ranks
 
 from eva_fastclip.data import write_toy_dataset
-from eva_fastclip.data.workers import start_worker_server
 from eva_fastclip.evaluation import (
     EvaluationFailed,
     build_zeroshot_classifier,
@@ -383,50 +382,6 @@ def _decoded(vector) -> Image.Image:
 
 
 # ---------------------------------------------------------------- ranks sharing the work
-
-
-class ThreadRank:
-    """Rank ``rank`` of a group of threads: ``gather`` concatenates every thread's tensor (and checks
-    they are equally shaped, as NCCL's all_gather needs); a missing peer breaks the barrier in 30 s
-    instead of hanging the test."""
-
-    def __init__(self, group: dict, rank: int) -> None:
-        self.group, self.rank, self.world_size = group, rank, group["world"]
-        self.calls = 0
-
-    def gather(self, tensor):
-        group = self.group
-        group["slots"][self.rank] = tensor.clone()
-        group["barrier"].wait()
-        shapes = {tuple(t.shape) for t in group["slots"]}
-        out = torch.cat(group["slots"])
-        group["barrier"].wait()
-        assert len(shapes) == 1, f"ranks gathered different shapes {shapes}"
-        self.calls += 1
-        return out
-
-
-def on_ranks(world: int, work):
-    """``work(collectives)`` on ``world`` threads; returns each rank's result or exception."""
-    group = {"world": world, "slots": [None] * world, "barrier": threading.Barrier(world, timeout=30)}
-    results = [None] * world
-    # the loaders' fork server dies with the thread that starts it (PR_SET_PDEATHSIG follows the thread):
-    # started here, from the main thread, it outlives the rank threads, as it outlives nothing in a rank
-    start_worker_server()
-
-    def run(rank):
-        try:
-            results[rank] = work(ThreadRank(group, rank))
-        except BaseException as err:  # noqa: BLE001
-            results[rank] = err
-
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(world)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert not any(thread.is_alive() for thread in threads), "a rank is stuck"
-    return results
 
 
 def test_k_ranks_give_one_ranks_predictions_exactly(tmp_path):

@@ -5,33 +5,13 @@ the same outputs on the same input; EVA02-B-16 itself round-trips through the op
 import open_clip
 import pytest
 import torch
+from export_cases import BERT_VOCAB, batches
+from stand_ins import toy_config, toy_trainer
 
 from eva_fastclip import export
-from eva_fastclip.config import ModelConfig, load_config
-from eva_fastclip.engine.build import build_trainer
+from eva_fastclip.config import ModelConfig
 from eva_fastclip.export import export_open_clip
 from eva_fastclip.models import create_model, to_open_clip_state_dict
-from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
-
-
-class Batches:
-    def __init__(self, image_size: int, context: int, n: int = 3, batch: int = 8, vocab: int = 49000):
-        g = torch.Generator().manual_seed(0)
-        self.batches = [
-            (
-                torch.randn(batch, 3, image_size, image_size, generator=g),
-                torch.randint(1, vocab, (batch, context), generator=g),
-                torch.arange(i * batch, (i + 1) * batch),
-            )
-            for i in range(n)
-        ]
-        self.num_batches, self.dataset_size, self.num_samples = n, n * batch, n * batch
-
-    def set_epoch(self, epoch):
-        pass
-
-    def __iter__(self):
-        return iter(self.batches)
 
 
 def outputs(model, images, tokens):
@@ -49,25 +29,20 @@ def outputs(model, images, tokens):
 def test_trained_eva_model_exports_to_open_clip_with_identical_outputs(
     tmp_path, loss, lock_text, monkeypatch
 ):
-    cfg = load_config(
-        "configs/toy.json",
-        [
-            "model.name=test-eva02-xs",
-            "model.patch_dropout=0.5",
-            f"model.lock_text={str(lock_text).lower()}",
-            f"loss.name={loss}",
-            "train.batch_size=8",
-            "train.steps=3",
-            "train.deepspeed_config=ds_configs/zero1_fp32_lamb.json",  # fp32: outputs comparable exactly
-            f"train.output_dir={tmp_path / 'run'}",
-            "optim.visual_layer_decay=0.75",
-            "optim.text_layer_decay=0.75",
-            "train.save_every_steps=0",
-            "eval.zeroshot_dir=null",
-            "eval.retrieval_shards=null",
-        ],
+    cfg = toy_config(
+        tmp_path / "run",
+        "model.name=test-eva02-xs",
+        "model.patch_dropout=0.5",
+        f"model.lock_text={str(lock_text).lower()}",
+        f"loss.name={loss}",
+        "train.batch_size=8",
+        "train.steps=3",
+        "train.deepspeed_config=ds_configs/zero1_fp32_lamb.json",  # fp32: outputs comparable exactly
+        "optim.visual_layer_decay=0.75",
+        "optim.text_layer_decay=0.75",
+        "train.save_every_steps=0",
     )
-    trainer = build_trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=Batches(32, 16))
+    trainer = toy_trainer(cfg, loader=batches(3))
     trainer.train()
     folder = tmp_path / "run" / "checkpoints" / "step_00000003"
     summary = export_open_clip(folder, tmp_path / "eva.pt")  # strict open_clip load inside
@@ -111,21 +86,14 @@ def test_model_with_a_hugging_face_text_tower_exports_and_reloads(tmp_path):
     from eva_fastclip.models import text_towers
 
     folder = str(gt_minilm.get_model_path())
-    cfg = load_config(
-        "configs/toy.json",
-        [
-            "model.name=test-vit-xs",
-            f"model.text_hf_model={folder}",
-            "train.batch_size=8",
-            "train.steps=1",
-            "train.deepspeed_config=ds_configs/zero1_fp32_lamb.json",
-            f"train.output_dir={tmp_path / 'run'}",
-            "eval.zeroshot_dir=null",
-            "eval.retrieval_shards=null",
-        ],
+    cfg = toy_config(
+        tmp_path / "run",
+        f"model.text_hf_model={folder}",
+        "train.batch_size=8",
+        "train.steps=1",
+        "train.deepspeed_config=ds_configs/zero1_fp32_lamb.json",
     )
-    loader = Batches(32, 16, n=1, vocab=30000)  # BERT's vocabulary
-    trainer = build_trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=loader)
+    trainer = toy_trainer(cfg, loader=batches(1, vocab=BERT_VOCAB))
     trainer.train()
     export_open_clip(tmp_path / "run" / "checkpoints" / "step_00000001", tmp_path / "hf.pt")  # verifies
 

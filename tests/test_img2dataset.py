@@ -20,12 +20,10 @@ import pytest
 import torch
 import webdataset as wds
 from PIL import Image
+from stand_ins import toy_config, toy_trainer
 from torchvision import transforms
 
-from eva_fastclip.config import load_config
 from eva_fastclip.data import DataSizes, TrainLoader, resolve_sizes
-from eva_fastclip.engine.build import build_trainer
-from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 
 PREPROCESS = transforms.Compose([transforms.Resize((8, 8)), transforms.ToTensor()])
 
@@ -237,24 +235,18 @@ def test_a_run_reads_each_record_once(downloaded, tmp_path, monkeypatch):
 
 
 def make_trainer(shards, loss, output_dir, *overrides):
-    cfg = load_config(
-        "configs/toy.json",
-        [
-            "model.name=test-vit-xs",
-            f"loss.name={loss}",
-            f'data.train_shards=["{shards}"]',
-            "data.workers=0",
-            "data.shuffle_buffer=16",
-            "train.batch_size=8",
-            "train.epochs=1",
-            f"train.output_dir={output_dir}",
-            "optim.warmup_steps=1",
-            "eval.zeroshot_dir=null",
-            "eval.retrieval_shards=null",
-            *overrides,
-        ],
+    cfg = toy_config(
+        output_dir,
+        f"loss.name={loss}",
+        f'data.train_shards=["{shards}"]',
+        "data.workers=0",
+        "data.shuffle_buffer=16",
+        "train.batch_size=8",
+        "train.epochs=1",
+        "optim.warmup_steps=1",
+        *overrides,
     )
-    return build_trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config))
+    return toy_trainer(cfg)
 
 
 def test_openclip_trains_on_samples_without_a_usable_index(tmp_path):

@@ -5,6 +5,7 @@ import sys
 
 import pytest
 import torch
+from stand_ins import StandInBatches, toy_config, toy_trainer
 from torch import nn
 
 from eva_fastclip.config import ModelConfig
@@ -111,43 +112,15 @@ def test_cpu_kernels_report_sdpa_and_fallbacks():
 
 
 def test_trainer_runs_the_final_steps_unmasked(tmp_path):
-    from eva_fastclip.config import load_config
-    from eva_fastclip.engine.build import build_trainer
-    from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
-
-    g = torch.Generator().manual_seed(0)
-    batches = [
-        (
-            torch.randn(8, 3, 32, 32, generator=g),
-            torch.randint(1, 49000, (8, 16), generator=g),
-            torch.arange(8),
-        )
-        for _ in range(4)
-    ]
-
-    class Loader:
-        num_batches, dataset_size, num_samples = 4, 8, 8
-
-        def set_epoch(self, epoch):
-            pass
-
-        def __iter__(self):
-            return iter(batches)
-
-    cfg = load_config(
-        "configs/toy.json",
-        [
-            "model.name=test-eva02-xs",
-            "model.patch_dropout=0.5",
-            "model.unmasked_final_steps=2",
-            "train.batch_size=8",
-            "train.steps=6",
-            f"train.output_dir={tmp_path}",
-            "eval.zeroshot_dir=null",
-            "eval.retrieval_shards=null",
-        ],
+    cfg = toy_config(
+        tmp_path,
+        "model.name=test-eva02-xs",
+        "model.patch_dropout=0.5",
+        "model.unmasked_final_steps=2",
+        "train.batch_size=8",
+        "train.steps=6",
     )
-    trainer = build_trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=Loader())
+    trainer = toy_trainer(cfg, loader=StandInBatches(4, 8, dataset_size=8, indices="arange"))
     (dropout,) = patch_dropout_modules(trainer.engine.module)
     seen = []
     step = trainer.train_step

@@ -1,21 +1,19 @@
 """LAMB's trust ratio is per model tensor whatever ZeRO does: ZeRO-0, 1 and 2 on 1 and 2 ranks, fp32 and bf16
-masters, take the same 3 steps as a float64 per-tensor LAMB (test_lamb.kernel_step, FusedLamb's kernel).
+masters, take the same 3 steps as a float64 per-tensor LAMB (lamb_reference.kernel_step, FusedLamb's kernel).
 
 Every configuration sees the same global gradient: the loss is linear in the weights, sum(w * G) with a
 fixed G per step that bf16 holds exactly, so the gradient is G on every rank and in every precision, and
-only the optimizer can make the runs differ. The 2-rank configurations share one launch.
+only the optimizer can make the runs differ. The 2-rank configurations are a piece of the session's 2-rank
+suite (tests/launched/test_lamb_zero_two_ranks.py).
 """
 
 import math
-import os
-import socket
 import warnings
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from engine_state import full_state
-from test_lamb import LAMB_JSON, kernel_step
+from lamb_reference import LAMB_JSON, kernel_step
 from torch import nn
 
 from eva_fastclip.config import load_config
@@ -37,7 +35,6 @@ CONFIGS = {
     "zero1-bf16-fp32-grads": (1, "bf16", {"data_types": {"grad_accum_dtype": "fp32"}}),
 }
 ONE_RANK = ("zero0-fp32", "zero1-fp32", "zero0-bf16", "zero1-bf16", "zero1-bf16-fp32-grads")
-TWO_RANKS = ("zero1-fp32", "zero2-fp32", "zero1-bf16", "zero2-bf16", "zero1-bf16-fp32-grads")
 
 
 class LinearLoss(nn.Module):
@@ -157,35 +154,6 @@ def assert_per_tensor(result, expected, label: str, bf16: bool) -> None:
             assert torch.equal(module, rounded), f"{label} step {step} {name}: module weight not the master's"
 
 
-def _two_ranks(rank: int, port: int, out_dir: str) -> None:
-    from eva_fastclip.reliability.process import init_process_group
-
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_WORLD_SIZE="2",
-    )
-    init_process_group()
-    results = {name: run(name, 2) for name in TWO_RANKS}
-    results["zero1-fp32-resumed"] = run("zero1-fp32", 2, checkpoint_dir=os.path.join(out_dir, "ckpt"))
-    results["zero1-fp32-per-partition"] = run("zero1-fp32", 2, trust_ratio="per_zero_partition")
-    if rank == 0:
-        torch.save(results, os.path.join(out_dir, "results.pt"))
-
-
-@pytest.fixture(scope="module")
-def two_rank_results(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("lamb_zero")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    mp.spawn(_two_ranks, args=(port, str(out_dir)), nprocs=2, join=True)
-    return torch.load(out_dir / "results.pt", weights_only=False)
-
-
 @pytest.fixture(scope="module")
 def expected():
     return reference()
@@ -198,19 +166,3 @@ def test_one_rank_steps_are_per_tensor(name, expected):
     init_process_group()
     result = run(name, 1)
     assert_per_tensor(result, expected, f"{name} on 1 rank", bf16=CONFIGS[name][1] == "bf16")
-
-
-def test_two_ranks_take_the_same_steps_as_one(two_rank_results, expected):
-    for name in TWO_RANKS:
-        result = two_rank_results[name]
-        assert result["split"], f"{name}: no tensor is split between the ranks; the test would prove nothing"
-        assert_per_tensor(result, expected, f"{name} on 2 ranks", bf16=CONFIGS[name][1] == "bf16")
-    resumed = two_rank_results["zero1-fp32-resumed"]
-    assert_per_tensor(resumed, expected, "zero1-fp32 on 2 ranks, saved and loaded", bf16=False)
-
-
-def test_per_zero_partition_keeps_deepspeeds_rule(two_rank_results, expected):
-    """The option named for DeepSpeed's behaviour does differ: ratios of flat partitions, not tensors."""
-    last = two_rank_results["zero1-fp32-per-partition"]["states"][-1]
-    errors = {name: relative_error(last[name][0], w) for name, (w, _, _) in expected[-1].items()}
-    assert max(errors.values()) > 1e-3, errors

@@ -2,9 +2,9 @@
 steps on. What DeepSpeed does with them differs: ZeRO-1 skips the step (non-finite gradient norm), while
 without ZeRO fp32 applies it and the weights turn NaN. Either way ``train.max_skipped_steps`` steps in a row
 stop the run with exit code 3 and a message that names the step and the last complete checkpoint; no
-checkpoint is written from non-finite weights; the last complete one loads and the run resumes from it."""
+checkpoint is written from non-finite weights; the last complete one loads and the run resumes from it.
+On 2 ranks, where one rank's loss alone turns non-finite: tests/launched/test_nonfinite_two_ranks.py."""
 
-import hashlib
 import json
 import logging
 from pathlib import Path
@@ -17,7 +17,6 @@ from eva_fastclip.cli import main
 from eva_fastclip.config import ConfigError, load_config
 from eva_fastclip.data import write_toy_dataset
 from eva_fastclip.engine import trainer as trainer_module
-from eva_fastclip.export import consolidated_state_dict
 
 DATASET, BATCH = 64, 8
 
@@ -72,7 +71,7 @@ def train(
     resume=None,
     model="test-vit-xs",
 ):
-    monkeypatch.setattr(trainer_module, "TrainLoader", lambda *args, **kwargs: Batches(poisoned))
+    monkeypatch.setattr(trainer_module.TrainLoader, "for_run", lambda *args, **kwargs: Batches(poisoned))
     ds = json.loads(Path("ds_configs/zero1_fp32_lamb.json").read_text())
     ds["zero_optimization"]["stage"] = stage
     ds_path = tmp_path / f"zero{stage}_fp32.json"
@@ -175,51 +174,3 @@ def test_max_skipped_steps_is_validated():
     assert load_config(None, []).train.max_skipped_steps == 20
     with pytest.raises(ConfigError, match=r"train\.max_skipped_steps must be >= 0"):
         load_config(None, ["train.max_skipped_steps=-1"])
-
-
-@pytest.mark.launcher
-def test_two_ranks_stop_together_when_one_ranks_loss_turns_non_finite(tmp_path, shards):
-    """A real launch on 2 ranks (ZeRO-1, fp32) where only rank 1's batches of steps 5-7 hold a NaN image
-    (tests/launched_train.py): both ranks stop at step 7 with exit code 3 and the message, nothing is saved
-    after the step-4 checkpoint, and that checkpoint is byte for byte what its save wrote and loads with
-    finite weights."""
-    from test_resume import launch
-
-    out, record = tmp_path / "run", tmp_path / "record"
-    sets = {
-        "model.name": "test-vit-xs",
-        "loss.name": "fastclip_v3",
-        "data.train_shards": json.dumps([str(shards)]),
-        "data.workers": 0,
-        "train.deepspeed_config": "ds_configs/zero1_fp32_lamb.json",
-        "train.precision": "fp32",
-        "train.batch_size": BATCH,
-        "train.steps": 12,
-        "train.save_every_steps": 4,
-        "train.max_skipped_steps": 3,
-        "train.output_dir": str(out),
-        "optim.warmup_steps": 1,
-        "eval.zeroshot_dir": "null",
-        "eval.retrieval_shards": "null",
-    }
-    args = ["train", "--config", "configs/toy.json"]
-    for key, value in sets.items():
-        args += ["--set", f"{key}={value}"]
-    hooks = {"EVA_TEST_POISON": "1:5,6,7", "EVA_TEST_RECORD": str(record)}
-    text = launch(2, args, tmp_path / "launch.log", hooks=hooks, fails=True)
-
-    last = out / "checkpoints" / checkpoint.tag_for_step(4)
-    ranks = [json.loads((record / f"rank_{rank}.json").read_text()) for rank in (0, 1)]
-    for rank in ranks:
-        assert rank["exit_code"] == 3 and rank["step"] == 7, rank
-        assert "step 7: 3 optimizer steps in a row (steps 5-7) were skipped" in rank["message"]
-        assert f"the last complete checkpoint, {last}, is intact" in rank["message"]
-    assert "eva-fastclip train: stopped: step 7: " in text  # rank 0 says it on the console
-    assert complete_steps(tmp_path) == [4]  # the first one (step 4) is the only one, as saved
-    assert [p.name for p in (out / "checkpoints").glob("step_*")] == [last.name]  # nor a partial one
-    saved = json.loads((record / "saved_4.json").read_text())
-    files = sorted(path for path in last.rglob("*") if path.is_file())
-    assert {str(p.relative_to(last)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files} == saved
-    assert checkpoint.read_marker(last)["step"] == 4
-    weights = consolidated_state_dict(last)
-    assert all(torch.isfinite(t).all() for t in weights.values() if t.is_floating_point())

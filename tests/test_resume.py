@@ -1,36 +1,24 @@
-"""Resume anywhere: a run killed with SIGKILL and resumed reproduces the uninterrupted run; a checkpoint
-resumes on another number of ranks through DeepSpeed's universal checkpoint; the data stream, the lr
-schedule and gamma's horizon continue as the run would have.
-
-The launcher tests share nine launches (module fixtures), tiny model, fp32 on CPU, 2 loader workers per
-rank: per layout (1 rank; 2 ranks with ``train.contrastive_batch=global``) an uninterrupted run, a run
-killed right after its step-3 checkpoint and its resume; an uninterrupted run on 2 ranks with the micro
-contrastive batch; and the step-3 checkpoints of the 1-rank killed run and of that 2-rank run resumed on
-the other number of ranks.
+"""Resume anywhere, in one process: the data stream, the lr schedule and gamma's horizon continue as the
+run would have; what a resumed run may change, and what it refuses. Killed runs resumed exactly and
+checkpoints resumed on another number of ranks, with real ranks: tests/launched/test_resume_runs.py.
 """
 
 import json
 import logging
 import math
-import os
 import re
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import open_clip
 import pytest
 import torch
-from launching import free_port
 from torchvision import transforms
 
 from eva_fastclip.checkpointing import checkpoint, resume_config
 from eva_fastclip.cli import main
 from eva_fastclip.config import ConfigError, load_config
-from eva_fastclip.data import TrainLoader, write_shard, write_toy_dataset
+from eva_fastclip.data import TrainLoader, write_shard
 from eva_fastclip.engine.build import build_trainer
 from eva_fastclip.export import consolidated_state_dict
 from eva_fastclip.losses import build_loss
@@ -38,7 +26,7 @@ from eva_fastclip.optim.schedule import WarmupCosine, warmup_cosine
 from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 
 REPO = Path(__file__).parents[1]
-STEPS, KILL_AFTER, MICRO, GLOBAL = 8, 3, 8, 16  # 5 steps an epoch: the resumed runs cross into epoch 1
+MICRO = 8  # pairs a micro-batch
 
 
 # ---- the data stream ------------------------------------------------------------------------------------
@@ -446,277 +434,6 @@ def test_a_conversion_is_made_once_per_save(tmp_path, monkeypatch):
     assert len(calls) == 1 and checkpoint.is_complete(universal)
 
 
-# ---- real launches ----------------------------------------------------------------------------------
-
-
-def launch(
-    ranks: int,
-    args: list[str],
-    log: Path,
-    kill_once: Path | None = None,
-    hooks: dict[str, str] | None = None,
-    fails: bool = False,
-) -> str:
-    """``deepspeed --num_gpus RANKS --module eva_fastclip ARGS``; with ``kill_once``, SIGKILL to the whole
-    launch (launcher, ranks, loader workers) as soon as that file appears; with ``hooks`` (environment
-    variables), through tests/launched_train.py, which wraps the test hooks they name around the same
-    command; ``fails``: the launch must end with an error instead of exit code 0."""
-    bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONUNBUFFERED": "1"}
-    env.update(hooks or {})
-    cmd = [str(bin_dir / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port())]
-    program = ["tests/launched_train.py"] if hooks else ["--module", "eva_fastclip"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [*cmd, *program, *args],
-            cwd=REPO,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: the kill reaches every process of the launch
-        )
-        try:
-            deadline = time.monotonic() + 600
-            while kill_once is not None and not kill_once.exists() and proc.poll() is None:
-                assert time.monotonic() < deadline, "no checkpoint to kill after"
-                time.sleep(0.02)
-            if kill_once is not None and proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=600)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-    text = log.read_text()
-    if fails:
-        assert proc.returncode not in (0, -signal.SIGKILL), f"the launch did not fail:\n{text[-6000:]}"
-    elif kill_once is None:
-        assert proc.returncode == 0, f"launch failed ({log.name}):\n{text[-6000:]}"
-    else:
-        assert proc.returncode == -signal.SIGKILL, f"the launch ended before its kill:\n{text[-6000:]}"
-    return text
-
-
-def run_args(
-    data: Path, out: Path, ranks: int, steps: int = STEPS, extra=(), micro: int = MICRO
-) -> list[str]:
-    sets = [
-        "model.name=test-vit-xs",
-        "model.patch_dropout=0.5",  # each sample's mask from its key: the same after the resume
-        "loss.name=fastclip_v3",  # per-sample state, the temperature controller, gamma's schedule
-        f'data.train_shards=["{data / "train"}"]',
-        "data.workers=2",
-        "data.shuffle_buffer=10",
-        f"data.num_samples={5 * GLOBAL}",  # 5 steps an epoch; the 64 samples run out: a second pass
-        "eval.zeroshot_dir=null",
-        "eval.retrieval_shards=null",
-        "train.precision=fp32",
-        f"train.batch_size={micro}",
-        f"train.grad_accum_steps={GLOBAL // micro // ranks}",
-        f"train.steps={steps}",
-        f"train.save_every_steps={KILL_AFTER}",
-        "train.keep_checkpoints=3",
-        f"train.output_dir={out}",
-        "optim.warmup_steps=2",
-        *extra,
-    ]
-    return ["train", "--config", "configs/toy.json", *[arg for item in sets for arg in ("--set", item)]]
-
-
-def step_log(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("resume_data")
-    write_toy_dataset(root, num_train=64, num_val=8, num_zeroshot=8, image_size=32, samples_per_shard=16)
-    return root
-
-
-#: the runs' layouts: number of ranks -> (ranks, micro-batch, extra settings); "2-global": 2 ranks x 2
-#: micro-batches of 4 with the contrastive batch of the whole step (a cached step)
-LAYOUTS = {1: (1, MICRO, ()), 2: (2, MICRO, ()), "2-global": (2, 4, ("train.contrastive_batch=global",))}
-#: the layouts killed and resumed; layout 2 only runs uninterrupted, its step-3 checkpoint (the same
-#: files a killed run leaves: the save precedes the kill) resumed on 1 rank below
-KILLED = (1, "2-global")
-
-
-@pytest.fixture(scope="module")
-def runs(data, tmp_path_factory):
-    """Per layout: an uninterrupted run; for the KILLED layouts also a run killed right after its step-3
-    checkpoint, and that run resumed with --resume latest."""
-    result = {}
-    for name, (ranks, micro, extra) in LAYOUTS.items():
-        tmp = tmp_path_factory.mktemp(f"resume_{name}ranks")
-
-        def args(out, ranks=ranks, extra=extra, micro=micro):
-            return run_args(data, out, ranks, extra=extra, micro=micro)
-
-        whole = launch(ranks, args(tmp / "whole"), tmp / "whole.log")
-        if name not in KILLED:
-            step3 = tmp / "step3" / checkpoint.tag_for_step(KILL_AFTER)
-            shutil.copytree(tmp / "whole" / "checkpoints" / step3.name, step3)
-            result[name] = {"tmp": tmp, "logs": (whole,), "step3": step3}
-            continue
-        marker = tmp / "killed" / "checkpoints" / checkpoint.tag_for_step(KILL_AFTER) / checkpoint.MARKER
-        launch(ranks, args(tmp / "killed"), tmp / "killed.log", kill_once=marker)
-        killed_log = step_log(tmp / "killed")
-        step3 = tmp / "step3" / marker.parent.name  # kept for the other number of ranks
-        shutil.copytree(marker.parent, step3)
-        resumed = launch(ranks, [*args(tmp / "killed"), "--resume", "latest"], tmp / "resumed.log")
-        result[name] = {"tmp": tmp, "logs": (whole, resumed), "killed_log": killed_log, "step3": step3}
-    return result
-
-
-@pytest.fixture(scope="module")
-def converted(runs, data):
-    """The step-3 checkpoints of the 1-rank killed run and of the 2-rank run (micro contrastive batch,
-    uninterrupted) resumed on the other number of ranks, for 2 more steps."""
-    result = {}
-    for ranks, other in ((1, 2), (2, 1)):
-        out = runs[ranks]["tmp"] / f"from_{other}_ranks"
-        original = out / "checkpoints" / runs[other]["step3"].name
-        shutil.copytree(runs[other]["step3"], original)
-        # the other number of ranks' command as it was (its accumulation): launched on these ranks
-        args = [*run_args(data, out, other, steps=KILL_AFTER + 2), "--resume", "latest"]
-        dumps = runs[ranks]["tmp"] / f"from_{other}_ranks_loaded"
-        log = launch(
-            ranks,
-            args,
-            runs[ranks]["tmp"] / f"from_{other}_ranks.log",
-            hooks={"EVA_TEST_DUMP_LOADED": str(dumps)},
-        )
-        result[ranks] = {
-            "out": out,
-            "log": log,
-            "copy": runs[other]["step3"],
-            "saved": zero_state(runs[other]["step3"]),
-            "loaded": [torch.load(dumps / f"rank_{rank}.pt") for rank in range(ranks)],
-        }
-    return result
-
-
-@pytest.mark.launcher
-@pytest.mark.parametrize("ranks", KILLED)
-def test_a_killed_run_resumes_exactly(runs, ranks):
-    tmp = runs[ranks]["tmp"]
-    assert f"resumed from {tmp / 'killed' / 'checkpoints'}" in runs[ranks]["logs"][1]
-    killed_steps = [record["step"] for record in runs[ranks]["killed_log"]]
-    assert KILL_AFTER <= killed_steps[-1] < STEPS  # killed after its checkpoint, before its end
-    whole, resumed = step_log(tmp / "whole"), step_log(tmp / "killed")
-    assert [r["step"] for r in whole] == [r["step"] for r in resumed] == list(range(1, STEPS + 1))
-    assert resumed[:KILL_AFTER] == runs[ranks]["killed_log"][:KILL_AFTER]  # kept from the killed run
-    assert {r["epoch"] for r in whole} == {0, 1}
-    for want, got in zip(whole, resumed):
-        assert want.keys() == got.keys()
-        for key, value in want.items():
-            assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-30), (want["step"], key)
-    final = checkpoint.tag_for_step(STEPS)
-    want = consolidated_state_dict(tmp / "whole" / "checkpoints" / final)
-    got = consolidated_state_dict(tmp / "killed" / "checkpoints" / final)
-    assert want.keys() == got.keys()
-    for name, value in want.items():
-        torch.testing.assert_close(got[name], value, rtol=1e-6, atol=0, msg=name)
-    for path in (tmp / "whole" / "checkpoints" / final / "per_sample").iterdir():
-        table = torch.load(path)["values"]
-        other = torch.load(tmp / "killed" / "checkpoints" / final / "per_sample" / path.name)["values"]
-        torch.testing.assert_close(other, table, rtol=1e-6, atol=0)
-
-
-RESNET = ["model.name=test-rn-xs", "model.patch_dropout=0.0", "loss.name=openclip"]
-
-
-@pytest.fixture(scope="module")
-def resnet_on_two_ranks(data, tmp_path_factory):
-    """A ResNet vision tower (BatchNorm: persistent buffers) trained 3 steps on 2 ranks and saved."""
-    out = tmp_path_factory.mktemp("resnet")
-    launch(2, run_args(data, out / "run", 2, steps=KILL_AFTER, extra=RESNET), out / "run.log")
-    return out / "run"
-
-
-@pytest.mark.launcher
-def test_buffers_survive_a_resume_on_another_number_of_ranks(resnet_on_two_ranks, data, tmp_path):
-    """Its step-3 checkpoint resumed on 1 rank (through the universal checkpoint): every persistent buffer
-    (BatchNorm's running statistics and counts) is the saved one, which three training forwards moved from
-    its initial value; the run trains on and saves, and the folder it resumed from stays as it was."""
-    out = tmp_path / "run"
-    shutil.copytree(resnet_on_two_ranks, out)
-    folder = out / "checkpoints" / checkpoint.tag_for_step(KILL_AFTER)
-    before = files_of(folder, mtimes=True)
-    saved = torch.load(folder / "mp_rank_00_model_states.pt", weights_only=False)["module"]
-    # the 2-rank run's own command, 2 steps longer
-    overrides = run_args(data, out, 2, steps=KILL_AFTER + 2, extra=RESNET)[4::2]
-    cfg = load_config("configs/toy.json", overrides)
-    ds = load_deepspeed_config(cfg.train.deepspeed_config)
-    trainer = build_trainer(cfg, ds, resume="latest", loader=SixBatches())
-    assert trainer.resume_from == (folder, checkpoint.universal_folder(folder))
-    module = trainer.engine.module
-    params = dict(module.named_parameters())
-    buffers = {name: value for name, value in module.state_dict().items() if name not in params}
-    assert sum(name.endswith("running_var") for name in buffers) >= 10  # every BatchNorm of the tower
-    for name, value in buffers.items():
-        assert torch.equal(value, saved[name]), name
-        if name.endswith("num_batches_tracked"):  # rank 0's 3 steps of 1 micro-batch each
-            assert int(value) == KILL_AFTER, name
-        elif name.endswith("running_var"):
-            assert not torch.equal(value, torch.ones_like(value)), name
-    trainer.train()
-    assert checkpoint.is_complete(out / "checkpoints" / checkpoint.tag_for_step(KILL_AFTER + 2))
-    assert files_of(folder, mtimes=True) == before
-
-
-def zero_state(folder: Path) -> dict:
-    """Every parameter's fp32 weights and moments, and every group's step, merged from the ZeRO partitions
-    of all ranks by their slice mappings: written out here, not through DeepSpeed's converter."""
-    files = sorted(folder.glob("zero_pp_rank_*_mp_rank_00_optim_states.pt"))
-    parts = [torch.load(f, weights_only=False)["optimizer_state_dict"] for f in files]
-    shapes = {}
-    for group in torch.load(folder / "mp_rank_00_model_states.pt", weights_only=False)["param_shapes"]:
-        shapes.update(group)
-    merged, steps = {}, []
-    for g in range(len(parts[0]["param_slice_mappings"])):
-        steps.append({int(part["base_optimizer_state"]["state"][g]["step"]) for part in parts})
-        for name in shapes:
-            for key in ("fp32", "exp_avg", "exp_avg_sq"):
-                pieces = []
-                for part in parts:
-                    fragment = part["param_slice_mappings"][g].get(name)
-                    if fragment is not None:
-                        flat = part["single_partition_of_fp32_groups"][g] if key == "fp32" else None
-                        flat = part["base_optimizer_state"]["state"][g][key] if flat is None else flat
-                        pieces.append(flat.narrow(0, fragment.start, fragment.numel))
-                if pieces:
-                    merged.setdefault(name, {})[key] = torch.cat(pieces).reshape(shapes[name])
-    return {"params": merged, "steps": steps, "ranks": len(parts)}
-
-
-@pytest.mark.launcher
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_resume_on_another_number_of_ranks(converted, ranks):
-    """The other number of ranks' step-3 checkpoint, resumed here: converted beside the original, the
-    global batch kept by the accumulation, fp32 weights, moments and steps loaded exactly as saved (merged
-    from the saved partitions by the test, gathered from the loaded ones by DeepSpeed's accessors), the
-    original left as it was (no save replaces it); then 2 more steps train."""
-    run = converted[ranks]
-    original = run["out"] / "checkpoints" / checkpoint.tag_for_step(KILL_AFTER)
-    assert f"converting {original} " in run["log"] and f"{original}.universal" in run["log"]
-    accum, was = GLOBAL // MICRO // ranks, GLOBAL // MICRO // {1: 2, 2: 1}[ranks]
-    assert f"kept on {ranks} ranks with train.grad_accum_steps={accum} (was {was})" in run["log"]
-    saved, loaded = run["saved"], run["loaded"]
-    assert saved["ranks"] == {1: 2, 2: 1}[ranks]
-    assert saved["steps"] == [{KILL_AFTER}] * len(saved["steps"])
-    assert [rank["steps"] for rank in loaded] == [[KILL_AFTER] * len(saved["steps"])] * ranks
-    params = loaded[0]["params"]
-    assert params.keys() == saved["params"].keys()
-    for name, tensors in saved["params"].items():
-        for key, value in tensors.items():
-            assert torch.equal(params[name][key].reshape(value.shape), value), (name, key)
-    assert files_of(original) == files_of(run["copy"])  # byte for byte the other number of ranks' save
-    assert [r["step"] for r in step_log(run["out"])] == [KILL_AFTER + 1, KILL_AFTER + 2]
-    final = run["out"] / "checkpoints" / checkpoint.tag_for_step(KILL_AFTER + 2)
-    assert checkpoint.read_marker(final)["world_size"] == ranks
-
-
 def files_of(folder: Path, mtimes: bool = False) -> dict:
     """Every file under ``folder``: its bytes and, with ``mtimes``, its modification time."""
     return {
@@ -724,3 +441,7 @@ def files_of(folder: Path, mtimes: bool = False) -> dict:
         for path in sorted(folder.rglob("*"))
         if path.is_file()
     }
+
+
+def step_log(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]

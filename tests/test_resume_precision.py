@@ -3,35 +3,25 @@ an AVX2-only CPU) goes on in the precision it was trained in: DeepSpeed's optimi
 precision. An explicit choice that differs stops before step 1. One rank, in this process."""
 
 import pytest
-from test_step_hooks import BATCH, FixedBatches
+from stand_ins import StandInBatches, toy_config, toy_trainer
 
 from eva_fastclip.checkpointing import checkpoint
-from eva_fastclip.config import ConfigError, load_config
+from eva_fastclip.config import ConfigError
 from eva_fastclip.engine import build as build_module
-from eva_fastclip.engine.build import build_trainer
 from eva_fastclip.engine.setup import precision_of
-from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 from eva_fastclip.plan.precision import Hardware
 
 
 def make_trainer(tmp_path, precision, resume=None, steps=2):
-    cfg = load_config(
-        "configs/toy.json",
-        [
-            "model.name=test-vit-xs",
-            "loss.name=fastclip_v3",
-            f"train.batch_size={BATCH}",
-            f"train.output_dir={tmp_path}",
-            f"train.steps={steps}",
-            f"train.precision={precision}",
-            "optim.warmup_steps=1",
-            "eval.zeroshot_dir=null",
-            "eval.retrieval_shards=null",
-        ],
+    cfg = toy_config(
+        tmp_path,
+        "loss.name=fastclip_v3",
+        "train.batch_size=8",
+        f"train.steps={steps}",
+        f"train.precision={precision}",
+        "optim.warmup_steps=1",
     )
-    return build_trainer(
-        cfg, load_deepspeed_config(cfg.train.deepspeed_config), resume=resume, loader=FixedBatches()
-    )
+    return toy_trainer(cfg, loader=StandInBatches(6, 8), resume=resume)
 
 
 def test_resume_keeps_the_checkpoint_precision(tmp_path, monkeypatch):

@@ -5,55 +5,19 @@ state when the number of ranks changes."""
 
 import pytest
 import torch
+from stand_ins import StandInBatches, toy_config, toy_trainer
 
-from eva_fastclip.config import load_config
-from eva_fastclip.engine.build import build_trainer
 from eva_fastclip.engine.setup import read_full_parameter
 from eva_fastclip.losses import Gatherer, PerSampleTable
-from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 
-DATASET, BATCH = 64, 8
-
-
-class FixedBatches:
-    """A stand-in for the webdataset loader: the same seeded batches every epoch."""
-
-    def __init__(self, seed=0):
-        g = torch.Generator().manual_seed(seed)
-        self.batches = [
-            (
-                torch.randn(BATCH, 3, 32, 32, generator=g),
-                torch.randint(1, 49000, (BATCH, 16), generator=g),
-                torch.randperm(DATASET, generator=g)[:BATCH],
-            )
-            for _ in range(6)
-        ]
-        self.num_batches, self.dataset_size, self.num_samples = len(self.batches), DATASET, DATASET
-
-    def set_epoch(self, epoch):
-        pass
-
-    def __iter__(self):
-        return iter(self.batches)
+BATCH = 8
 
 
 def make_trainer(tmp_path, loss, resume=None):
-    cfg = load_config(
-        "configs/toy.json",
-        [
-            "model.name=test-vit-xs",
-            f"loss.name={loss}",
-            f"train.batch_size={BATCH}",
-            f"train.output_dir={tmp_path}",
-            "train.epochs=3",
-            "optim.warmup_steps=1",
-            "eval.zeroshot_dir=null",
-            "eval.retrieval_shards=null",
-        ],
+    cfg = toy_config(
+        tmp_path, f"loss.name={loss}", f"train.batch_size={BATCH}", "train.epochs=3", "optim.warmup_steps=1"
     )
-    return build_trainer(
-        cfg, load_deepspeed_config(cfg.train.deepspeed_config), resume=resume, loader=FixedBatches()
-    )
+    return toy_trainer(cfg, loader=StandInBatches(6, BATCH), resume=resume)
 
 
 def snapshot(trainer):

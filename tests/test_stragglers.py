@@ -1,15 +1,8 @@
-"""Stragglers named (reliability/stragglers.py): the verdict on given figures, then real runs of 2 ranks
-through the launcher, one of them slowed by a SIGSTOP/SIGCONT duty cycle (a throttled GPU, a busy host), and
-one left alone, which raises no warning."""
-
-import signal
-import threading
-import time
+"""Stragglers named (reliability/stragglers.py): the verdict on given figures. Real runs of 2 ranks, one of
+them slowed, are in tests/launched/test_straggler_runs.py."""
 
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from test_preemption import Run, data, train_args  # noqa: F401 (data: the fixture)
 
 from eva_fastclip.reliability.stragglers import MIN_SHARE, WARN_AGAIN_AFTER_WINDOWS, Stragglers
 
@@ -72,57 +65,3 @@ def test_an_excess_too_small_to_matter_or_a_factor_of_0_names_nobody():
 
 def test_one_rank_has_no_stragglers():
     assert window(Stragglers(1.5, 1), [0.2], wait=[0.0]) == ({}, None)
-
-
-def straggler_lines(run) -> list[str]:
-    return [line for line in run.text().splitlines() if "straggler(s) hold every step back" in line]
-
-
-@pytest.mark.launcher
-def test_a_duty_cycled_rank_is_named_and_a_clean_run_names_none(data, tmp_path):  # noqa: F811
-    """Rank 1 runs 20% of the time (SIGSTOP 40 ms, SIGCONT 10 ms) from step 5: rank 0 names it within a few
-    windows of 2 steps. The same run without the signals, with the default settings: no warning."""
-    sets = ["train.log_every_steps=2", "train.straggler_windows=2", "train.steps=2000"]
-    run = Run(train_args(data, tmp_path / "slowed", *sets), tmp_path / "slowed.log")
-    run.wait_for_step(5)
-    rank1 = run.rank(1)
-    started, done = time.monotonic(), threading.Event()
-
-    def duty_cycle():
-        while not done.is_set():
-            rank1.send_signal(signal.SIGSTOP)
-            time.sleep(0.04)
-            rank1.send_signal(signal.SIGCONT)
-            time.sleep(0.01)
-
-    cycler = threading.Thread(target=duty_cycle)
-    cycler.start()
-    try:
-        while not straggler_lines(run) and time.monotonic() - started < 60:
-            assert run.proc.poll() is None, run.text()[-4000:]
-            time.sleep(0.2)
-    finally:
-        done.set()
-        cycler.join()
-        rank1.send_signal(signal.SIGCONT)
-        took = time.monotonic() - started
-        run.proc.terminate()  # the launcher ends the ranks (a preemption: they save and exit)
-        run.wait(timeout=120)
-    lines = straggler_lines(run)
-    print(f"rank 1 duty-cycled: named {took:.1f} s after the cycle began: {lines[:1]}")
-    assert lines, run.text()[-4000:]
-    # (which part it names depends on where the stops fell: its forwards or its requests to its loader)
-    assert "rank 1 on " in lines[0] and "rank 0 on " not in lines[0]
-    events = EventAccumulator(str(tmp_path / "slowed" / "tensorboard"))
-    events.Reload()
-    named = [e for e in events.Scalars("perf/straggler_rank") if e.value == 1.0]
-    ratios = {e.step: e.value for e in events.Scalars("perf/straggler_ratio")}
-    assert named and max(ratios[e.step] for e in named) > 1.5
-
-    clean = Run(train_args(data, tmp_path / "clean", "train.log_every_steps=5"), tmp_path / "clean.log")
-    assert clean.wait() == 0, clean.text()[-4000:]
-    events = EventAccumulator(str(tmp_path / "clean" / "tensorboard"))
-    events.Reload()
-    ratios = [e.value for e in events.Scalars("perf/straggler_ratio")]
-    print(f"clean run: straggler ratios per window {[round(r, 2) for r in ratios]}")
-    assert len(ratios) == 6 and not straggler_lines(clean)

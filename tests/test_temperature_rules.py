@@ -8,11 +8,10 @@ import math
 import pytest
 import torch
 from fastclip_reference import IndividualTau
+from stand_ins import StandInBatches, toy_config, toy_trainer
 
-from eva_fastclip.config import ConfigError, LossConfig, load_config
-from eva_fastclip.engine.build import build_trainer
+from eva_fastclip.config import ConfigError, LossConfig
 from eva_fastclip.optim.temperature import TemperatureController
-from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 
 
 def test_individual_adam_follows_fastclip_v2_code():
@@ -119,41 +118,21 @@ def test_a_resumed_drop_state_is_kept_and_rechecked():
     assert not resumed.lr_dropped and calls == [resumed.lr]
 
 
-class FourBatches:
-    num_batches, dataset_size, num_samples = 4, 32, 32
-
-    def set_epoch(self, epoch):
-        pass
-
-    def __iter__(self):
-        g = torch.Generator().manual_seed(0)
-        for step in range(4):
-            tokens = torch.randint(1, 49000, (8, 16), generator=g)
-            yield torch.randn(8, 3, 32, 32, generator=g), tokens, torch.arange(8) + 8 * step
-
-
 @pytest.mark.parametrize("tau_init", [0.025, 0.0301])
 def test_the_trainer_sets_the_temperature_lr_from_tau_before_every_step(tmp_path, tau_init):
     """One rank, in this process: the first step trains at the lr tau_init gives (dropped below 0.03), and
     after every step the lr of the next one is FastCLIP's rule applied to the tau it starts from (the next
     record's temperature)."""
-    cfg = load_config(
-        "configs/toy.json",
-        [
-            "model.name=test-vit-xs",
-            "loss.name=fastclip_v3",
-            f"loss.temperature_init={tau_init}",
-            "loss.temperature_lr=0.01",  # big steps: tau moves by about 1% a step around the threshold
-            "train.batch_size=8",
-            "train.steps=8",
-            f"train.output_dir={tmp_path}",
-            "train.precision=fp32",
-            "optim.warmup_steps=1",
-            "eval.zeroshot_dir=null",
-            "eval.retrieval_shards=null",
-        ],
+    cfg = toy_config(
+        tmp_path,
+        "loss.name=fastclip_v3",
+        f"loss.temperature_init={tau_init}",
+        "loss.temperature_lr=0.01",  # big steps: tau moves by about 1% a step around the threshold
+        "train.batch_size=8",
+        "train.steps=8",
+        "optim.warmup_steps=1",
     )
-    trainer = build_trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=FourBatches())
+    trainer = toy_trainer(cfg, loader=StandInBatches(4, 8, dataset_size=32, indices="chunks"))
     (group,) = [g for g in trainer.engine.optimizer.param_groups if g["name"] == "temperature"]
     assert group["lr"] == pytest.approx(fastclip_step_thresh(0.01, tau_init), rel=1e-12)
     trainer.train()

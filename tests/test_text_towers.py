@@ -2,20 +2,16 @@
 
 import copy
 import logging
-import os
 import re
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the hub
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+import open_clip
+import pytest
+import torch
+from torch import nn
 
-import open_clip  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from eva_fastclip.config import ModelConfig, OptimConfig  # noqa: E402
+from eva_fastclip.config import ModelConfig, OptimConfig
 from eva_fastclip.models import create_model
-from eva_fastclip.models.text_towers import (  # noqa: E402
+from eva_fastclip.models.text_towers import (
     is_text_key,
     load_text_checkpoint,
     lock_text_tower,

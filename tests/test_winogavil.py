@@ -7,8 +7,9 @@ import shutil
 import crosscheck_winogavil_numpy123 as crosscheck
 import numpy as np
 import pytest
-from eval_sets import CAPTIONS, DIM, FakeModel, fake_tokenize, vector_preprocess
-from hf_cache_sets import write_winogavil_cache
+from eval_sets import CAPTIONS, FakeModel, fake_tokenize, vector_preprocess
+from hf_cache_sets import CUES, make_instances, write_winogavil_cache
+from thread_ranks import on_ranks
 
 from eva_fastclip.evaluation.winogavil import (
     cue_prompt,
@@ -18,28 +19,6 @@ from eva_fastclip.evaluation.winogavil import (
     read_winogavil,
     winogavil_metrics,
 )
-
-CUES = ["Moon", "apple", "Owl", "fire", "winter", "ice", "sand", "unicorn", "gold", "echo", "tree", "rain"]
-
-
-def make_instances(seed: int = 0) -> list[dict]:
-    """Instances of 5, 6, 10, 12 and 7 candidates (7: in no size group). An image is a scaled axis, so
-    its similarity with a cue is one component of the cue's unit vector, the same bits whichever the
-    arithmetic: the images that repeat within an instance tie exactly, for the choice to break."""
-    rng = np.random.default_rng(seed)
-    instances = []
-    for i, cue in enumerate(CUES):
-        size = [5, 6, 10, 12, 7][i % 5]
-        axes = rng.choice(DIM, 3, replace=False)  # 3 distinct images, each used often
-        looks = np.eye(DIM)[axes] * rng.choice([0.5, 1.0, 2.0], (3, 1))
-        vectors = looks[rng.integers(0, 3, size)]
-        candidates = [f"{cue.lower()}_{j}" for j in range(size)]
-        associations = list(rng.choice(candidates, int(rng.integers(2, size // 2 + 1)), replace=False))
-        instances.append(
-            {"cue": cue, "candidates": candidates, "associations": associations, "vectors": vectors.tolist()}
-        )
-        CAPTIONS[cue_prompt(cue)] = (np.round(rng.normal(size=DIM) * 4) / 4).tolist()
-    return instances
 
 
 def datacomp_loop(similarities: list[np.ndarray], truths: list[np.ndarray]) -> tuple[list[float], dict]:
@@ -69,7 +48,6 @@ def cache(tmp_path):
 
 
 def test_scores_equal_datacomps_scoring_on_one_rank_and_on_three(cache):
-    from test_evaluation import on_ranks
 
     hf_cache, instances = cache
     read = read_winogavil(hf_cache)

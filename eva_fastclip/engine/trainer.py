@@ -162,10 +162,10 @@ class Trainer:
                 progress.update(1)
                 progress.set_postfix(loss=f"{metrics['loss']:.3f}", **shown, refresh=False)
                 self.log.step(self.step, self.epoch, metrics)
-                if stop:
-                    self._stop_preempted()  # saves, raises Preempted
                 if self.step % cfg.log_every_steps == 0 or self.step == self.total_steps:
                     shown = self._log_window(metrics, data_wait) or shown  # collectives: every rank
+                if stop:  # after the step's logs: the stopped step is in TensorBoard too
+                    self._stop_preempted()  # saves, raises Preempted
                 if self.cfg.eval.every_steps and self.step % self.cfg.eval.every_steps == 0:
                     self.evaluate()
                 if save_now or (cfg.save_every_steps and self.step % cfg.save_every_steps == 0):

@@ -2,20 +2,21 @@
 (c) the bytes each rank passes to collectives match docs/losses.md, and none carry feature gradients;
 (d) with tau_gradient=fastclip_code each rank's gradients are those of FastCLIP's own rank loss.
 
-Real collectives: two processes over gloo (no DeepSpeed needed for the loss itself).
+Real collectives: two ranks over gloo, a piece of the session's 2-rank suite (no DeepSpeed needed for the
+loss itself).
 """
 
 import math
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from fastclip_reference import fastclip_v3_rank_loss
 
 from eva_fastclip.losses import Gatherer, build_loss
+
+TWO_RANK_PIECES = ("compositional",)
 
 B, D, WORLD, RHO, TAU = 8, 6, 2, 6.5, 0.05
 #: variant -> (loss name, LossConfig overrides)
@@ -68,19 +69,18 @@ def run_steps(variant, rank, world):
     return results
 
 
-def worker(rank, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def two_ranks(out):
+    """Every rank of the 2-rank suite (tests/launched/two_rank_suite.py): each variant's two steps."""
+    rank = dist.get_rank()
+    assert dist.get_world_size() == WORLD
     results = {variant: run_steps(variant, rank, WORLD) for variant in VARIANTS}
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save(results, out / f"rank{rank}.pt")
     dist.barrier()
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def distributed(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("ranks")
-    mp.spawn(worker, args=(29611, str(out_dir)), nprocs=WORLD, join=True)
+def distributed(two_rank_suite):
+    out_dir = two_rank_suite("compositional")
     per_rank = [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
     return {variant: [results[variant] for results in per_rank] for variant in VARIANTS}
 

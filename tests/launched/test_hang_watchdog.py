@@ -1,7 +1,11 @@
 """No silent hang (reliability/watchdog.py), with real processes and real signals: a rank whose phase outlasts
 its allowance logs what it was doing, which ranks it waits for and its threads' stacks, and exits with
 code 124; the launcher then ends the rest, and no process of the run is left. Each test prints how long
-the detection and the whole stop took."""
+the detection and the whole stop took.
+
+The runs go through the real launcher (launched/fault_runs.py): launch.py ending the other ranks is part of
+what is tested.
+"""
 
 import signal
 import subprocess
@@ -9,7 +13,8 @@ import sys
 import time
 
 import pytest
-from test_preemption import Run, all_gone, train_args
+from fault_runs import MODULE, fault_args
+from launching import Launch, all_gone
 
 from eva_fastclip.reliability.watchdog import HANG_EXIT_CODE
 
@@ -35,65 +40,67 @@ def test_a_phase_that_outlasts_its_allowance_ends_the_process():
     assert took < 10
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    from eva_fastclip.data import write_toy_dataset
-
-    root = tmp_path_factory.mktemp("hang_data")
-    write_toy_dataset(root, num_train=64, num_val=8, num_zeroshot=8, image_size=32, samples_per_shard=16)
-    return root
-
-
-def hanging_run(data, tmp_path, name):
-    sets = [f"train.hang_timeout_s={TIMEOUT}", "train.hang_timeout_long_s=120", "train.steps=2000"]
-    run = Run(train_args(data, tmp_path / "run", *sets), tmp_path / f"{name}.log")
-    run.wait_for_step(5)
+def hanging_run(data, tmp_path, name, *extra):
+    sets = [f"train.hang_timeout_s={TIMEOUT}", "train.hang_timeout_long_s=120", "train.steps=2000", *extra]
+    run = Launch(2, [*MODULE, *fault_args(data, tmp_path / "run", *sets)], tmp_path / f"{name}.log")
+    try:
+        run.wait_for_step(5)
+    except BaseException:
+        run.kill()
+        raise
     return run
 
 
 @pytest.mark.launcher
-def test_a_stopped_rank_is_named_and_the_run_ends(data, tmp_path):
+def test_a_stopped_rank_is_named_and_the_run_ends(toy_data, tmp_path):
     """SIGSTOP to rank 1 (a wedged GPU, a stuck file system): rank 0 waits in a collective, its watchdog
-    names rank 1 (no heartbeat) and exits 124; launch.py ends rank 1 (SIGTERM, then SIGKILL after 30 s)."""
-    run = hanging_run(data, tmp_path, "stopped_rank")
-    processes = run.processes()
-    stopped = time.monotonic()
-    run.rank(1).send_signal(signal.SIGSTOP)
-    code = run.wait(timeout=TIMEOUT + 120)
-    detected = next(
-        (line for line in run.text().splitlines() if "no progress for" in line),
-        f"none:\n{run.text()[-3000:]}",
-    )
-    gone = all_gone(processes, timeout=60) + time.monotonic() - stopped
+    names rank 1 (no heartbeat) and exits 124; launch.py ends rank 1 (SIGTERM, then SIGKILL after 30 s).
+    (No loader workers: the next test stops those.)"""
+    run = hanging_run(toy_data, tmp_path, "stopped_rank", "data.workers=0")
+    try:
+        processes = run.processes()
+        stopped = time.monotonic()
+        run.rank(1).send_signal(signal.SIGSTOP)
+        code = run.wait(timeout=TIMEOUT + 120)
+        detected = next(
+            (line for line in run.output().splitlines() if "no progress for" in line),
+            f"none:\n{run.output()[-3000:]}",
+        )
+        gone = all_gone(processes, timeout=60) + time.monotonic() - stopped
+    finally:
+        run.kill()
     print(f"rank 1 stopped: the run ended with {code}, every process gone {gone:.1f} s later; {detected}")
-    assert code == HANG_EXIT_CODE, run.text()[-4000:]
+    assert code == HANG_EXIT_CODE, run.output()[-4000:]
     assert "rank 0 (" in detected and "waiting for ranks no heartbeat for over" in detected
     assert "rank 1 (" in detected.split("waiting for ranks", 1)[1]
-    assert "Thread 0x" in run.text()  # the stacks
+    assert "Thread 0x" in run.output()  # the stacks
     assert gone < TIMEOUT + 30 + 30  # the allowance, launch.py's 30 s before its SIGKILL, and start-up slack
 
 
 @pytest.mark.launcher
-def test_a_stalled_loader_worker_is_named_and_the_run_ends(data, tmp_path):
+def test_a_stalled_loader_worker_is_named_and_the_run_ends(toy_data, tmp_path):
     """SIGSTOP to a loader worker of rank 0: rank 0 waits for a batch past its allowance and names its
     workers; rank 1 waits in a collective and names rank 0 as behind; both exit 124, the stopped worker
     is killed with its rank, and nothing of the run is left."""
-    run = hanging_run(data, tmp_path, "stalled_worker")
-    processes = run.processes()
-    rank0 = run.rank(0)
-    # its fork server's children (data/workers.py)
-    workers = [worker for child in rank0.children() for worker in child.children()]
-    assert workers, "rank 0 has no loader workers"
-    stopped = time.monotonic()
-    for worker in workers:
-        worker.send_signal(signal.SIGSTOP)
-    code = run.wait(timeout=TIMEOUT + 120)
-    gone = all_gone(processes, timeout=60) + time.monotonic() - stopped
-    lines = [line for line in run.text().splitlines() if "no progress for" in line]
+    run = hanging_run(toy_data, tmp_path, "stalled_worker")
+    try:
+        processes = run.processes()
+        rank0 = run.rank(0)
+        # its fork server's children (data/workers.py)
+        workers = [worker for child in rank0.children() for worker in child.children()]
+        assert workers, "rank 0 has no loader workers"
+        stopped = time.monotonic()
+        for worker in workers:
+            worker.send_signal(signal.SIGSTOP)
+        code = run.wait(timeout=TIMEOUT + 120)
+        gone = all_gone(processes, timeout=60) + time.monotonic() - stopped
+    finally:
+        run.kill()
+    lines = [line for line in run.output().splitlines() if "no progress for" in line]
     print(
         f"rank 0's loader workers stopped: the run ended with {code}, every process gone {gone:.1f} s later"
     )
-    assert code == HANG_EXIT_CODE, run.text()[-4000:]
+    assert code == HANG_EXIT_CODE, run.output()[-4000:]
     (stalled,) = [line for line in lines if "in phase 'loader'" in line]
     assert stalled.split("ERROR eva_fastclip.reliability.watchdog: ")[1].startswith("rank 0 (")
     assert all(str(worker.pid) in stalled for worker in workers)  # its workers named

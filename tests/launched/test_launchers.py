@@ -1,6 +1,7 @@
 """launchers/single_node.sh hands DeepSpeed's launcher the GPUs the job was given: the launcher drops
 CUDA_VISIBLE_DEVICES once --num_gpus is passed and takes GPUs 0..N-1, another job's on a shared node.
-Run against stand-ins for ``deepspeed`` and ``nvidia-smi`` that record what they were called with."""
+Run against stand-ins for ``deepspeed`` and ``nvidia-smi`` that record what they were called with; and
+the real launcher on a port in use."""
 
 import os
 import socket
@@ -10,8 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+from launching import REPO, launcher_env, train_args
 
-SCRIPT = Path(__file__).resolve().parents[1] / "launchers" / "single_node.sh"
+SCRIPT = REPO / "launchers" / "single_node.sh"
 
 
 @pytest.fixture
@@ -105,31 +107,37 @@ def test_a_port_in_use_is_one_line_naming_master_port(fake_bin):
     )
 
 
+def test_the_launchers_refuse_a_bad_max_restarts():
+    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}  # (an in-process run's, maybe)
+    env.update(MAX_RESTARTS="two", NUM_GPUS="1")
+    result = subprocess.run(
+        [SCRIPT, "configs/toy.json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2
+    assert "MAX_RESTARTS=two and MIN_NODES=1 must be whole numbers" in result.stderr
+
+
 @pytest.mark.launcher
-def test_the_launcher_on_a_port_in_use_says_so_in_one_line(tmp_path):
+def test_the_launcher_on_a_port_in_use_says_so_in_one_line(tmp_path, toy_data):
     """``deepspeed --master_port`` of a port another process listens on: rank 0 cannot listen there and
     stops with one line naming MASTER_PORT (exit 2), not PyTorch's EADDRINUSE trace; the launch ends."""
-    from launching import launcher_env
-
-    from eva_fastclip.data import write_toy_dataset
-
-    write_toy_dataset(tmp_path / "toy", num_train=32, num_val=8, num_zeroshot=8, samples_per_shard=16)
     deepspeed = str(Path(sys.executable).parent / "deepspeed")
-    sets = [
-        f'data.train_shards=["{tmp_path / "toy" / "train"}"]',
+    args = train_args(
+        f'data.train_shards=["{toy_data / "train"}"]',
         "model.name=test-vit-xs",
         "train.batch_size=8",
-    ]
-    sets += ["eval.zeroshot_dir=null", "eval.retrieval_shards=null", f"train.output_dir={tmp_path / 'run'}"]
+        "eval.zeroshot_dir=null",
+        "eval.retrieval_shards=null",
+        f"train.output_dir={tmp_path / 'run'}",
+    )
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         started = time.monotonic()
         result = subprocess.run(
-            [deepspeed, "--num_gpus", "2", "--master_port", str(port), "--module", "eva_fastclip", "train",
-             "--config", "configs/toy.json", *(x for s in sets for x in ("--set", s))],
-            cwd=SCRIPT.parents[1], env=launcher_env(), capture_output=True, text=True, timeout=300,
+            [deepspeed, "--num_gpus", "2", "--master_port", str(port), "--module", "eva_fastclip", *args],
+            cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=300,
         )  # fmt: skip
     output = result.stdout + result.stderr
     assert result.returncode != 0, output[-3000:]

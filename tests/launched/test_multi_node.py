@@ -1,14 +1,16 @@
-"""Two "nodes" through ``deepspeed --hostfile`` and pdsh (launchers/multi_node.sh): train, save, resume.
+"""Two "nodes" through ``deepspeed --hostfile`` and pdsh (launchers/multi_node.sh): train, save, resume,
+and the faults a multi-node run survives.
 
 The nodes are this machine under two loopback addresses, 127.0.0.1 and 127.0.0.2, one rank each. The test
 starts its own sshd on both (a free port, host and client keys it generates, nothing but loopback) and puts
 an ``ssh`` first on PATH that uses an ssh config of its own: the stand-in for the ``~/.ssh/config`` of a
 cluster user, which reaches both DeepSpeed's ssh check and pdsh, while the real ``~/.ssh`` is neither read
-nor changed. The checkpoint of the two-node run is then resumed on one node with the same world size
-(``launchers/single_node.sh`` with 2 ranks); another number of ranks is tests/test_resume.py's.
+nor changed. The run stopped by a SIGTERM to the ``deepspeed`` command is then resumed on one node with the
+same world size (``launchers/single_node.sh`` with 2 ranks); another number of ranks is
+tests/launched/test_resume.py's. Those two launches serve four tests; each other fault has a run of its own.
 
-Two launches in all, shared by every test in this module. Skipped, saying why, where sshd or pdsh is
-missing (``.ci/run`` installs them: Debian packages openssh-server and pdsh).
+Skipped, saying why, where sshd or pdsh is missing (``.ci/run`` installs them: Debian packages
+openssh-server and pdsh).
 """
 
 import contextlib
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from launching import free_port
+from launching import REPO, cmdline, free_port
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from eva_fastclip.checkpointing import checkpoint
@@ -34,9 +36,7 @@ from eva_fastclip.data import write_toy_dataset
 
 pytestmark = pytest.mark.launcher
 
-REPO = Path(__file__).parents[1]
 HOSTS = ("127.0.0.1", "127.0.0.2")  # both loopback: two "nodes" that are this machine
-FIRST_STEPS, TOTAL_STEPS = 4, 6
 
 
 def find_tool(name: str) -> str | None:
@@ -172,82 +172,6 @@ def two_node_run(ssh, tmp: Path, **train) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
-def runs(ssh, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("multi_node")
-    out = tmp / "run"
-    env = two_node_run(ssh, tmp, output_dir=str(out), keep_checkpoints=2)
-    work = tmp / "work"  # the launch directory: multi_node.sh writes .deepspeed_env here, not in the checkout
-    work.mkdir()
-    sshd_log_start = ssh["log"].stat().st_size
-    two_nodes = launch(
-        [REPO / "launchers" / "multi_node.sh", tmp / "config.json", "--set", f"train.steps={FIRST_STEPS}"],
-        cwd=work,
-        env=env,
-        log=tmp / "two_nodes.log",
-    )
-    logins = ssh["log"].read_text()[sshd_log_start:]
-    one_node = launch(
-        [
-            REPO / "launchers" / "single_node.sh",
-            tmp / "config.json",
-            "--set",
-            f"train.steps={TOTAL_STEPS}",
-            "--resume",
-            "latest",
-        ],
-        cwd=work,
-        env={**env, "NUM_GPUS": "2", "MASTER_PORT": str(free_port())},
-        log=tmp / "one_node.log",
-    )
-    return {"out": out, "work": work, "env": env, "logs": (two_nodes, one_node), "logins": logins}
-
-
-def test_hostfile_launch_runs_one_rank_on_each_host(runs):
-    two_nodes = runs["logs"][0]
-    # pdsh prefixes every line with the host it came from; DeepSpeed's launcher there names its node rank
-    for node_rank, host in enumerate(HOSTS):
-        assert f"{host}: " in two_nodes
-        assert any(
-            line.startswith(f"{host}: ") and f"nnodes=2, num_local_procs=1, node_rank={node_rank}" in line
-            for line in two_nodes.splitlines()
-        ), f"no launcher of node rank {node_rank} on {host}"
-    # sshd saw logins to both addresses during the launch (not just the test's own probes before it)
-    for host in HOSTS:
-        assert f" on {host} port " in runs["logins"]
-    # PATH reached the remote ranks through .deepspeed_env in the launch directory, with the venv first
-    # after the test's ssh
-    path = runs["env"]["PATH"]
-    assert (runs["work"] / ".deepspeed_env").read_text().splitlines() == [f"PATH={path}"]
-    assert f"export PATH={path};" in two_nodes or f'export PATH="{path}";' in two_nodes  # quoted if need be
-
-
-def test_two_node_checkpoint_is_complete(runs):
-    folder = runs["out"] / "checkpoints" / checkpoint.tag_for_step(FIRST_STEPS)
-    marker = json.loads((folder / checkpoint.MARKER).read_text())
-    assert {key: marker[key] for key in ("step", "tag", "world_size")} == {
-        "step": FIRST_STEPS,
-        "tag": folder.name,
-        "world_size": 2,
-    }
-    # each node's rank wrote its own ZeRO partition into the shared output folder
-    for rank in range(2):
-        assert len(list(folder.glob(f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))) == 1
-    assert (folder / "mp_rank_00_model_states.pt").is_file()
-
-
-def test_resume_on_one_node_continues_from_the_saved_step(runs):
-    one_node = runs["logs"][1]
-    first = runs["out"] / "checkpoints" / checkpoint.tag_for_step(FIRST_STEPS)
-    assert f"resumed from {first} at step {FIRST_STEPS}" in one_node
-    assert "dist_world_size=2" in one_node
-    assert not any(line.startswith(HOSTS) for line in one_node.splitlines())  # no pdsh: one node
-    kept = [p.name for p in checkpoint.complete_checkpoints(runs["out"] / "checkpoints")]
-    assert kept == [checkpoint.tag_for_step(FIRST_STEPS), checkpoint.tag_for_step(TOTAL_STEPS)]
-    # the first run logged steps 1..4, the resumed one 5..6: nothing twice, nothing missing
-    assert sorted(logged_steps(runs["out"])) == list(range(1, TOTAL_STEPS + 1))
-
-
 def node_processes(config: Path) -> list[psutil.Process]:
     """Every process of a launch of ``config`` on this machine: both nodes' launchers, their ranks and
     the ranks' descendants (fork servers, loader workers)."""
@@ -270,7 +194,7 @@ class FaultRun:
             ),
             **env,
         }
-        self.log = tmp_path / "run.log"
+        self.env, self.log = env, tmp_path / "run.log"
         self.output = open(self.log, "w")  # noqa: SIM115 (closed in wait)
         self.proc = subprocess.Popen(
             [REPO / "launchers" / "multi_node.sh", self.config],
@@ -359,11 +283,15 @@ def test_a_stopped_rank_on_the_second_node_ends_the_run_on_both(ssh, tmp_path):
     assert run.latest_step() >= 6
 
 
-def test_sigterm_to_the_deepspeed_command_saves_the_step_in_flight_on_both_nodes(ssh, tmp_path):
-    """A scheduler's SIGTERM to the launch: DeepSpeed's runner stops pdsh (which closes the remote ranks'
-    output) and pkills every node's launch.py, which passes SIGTERM to its rank's process tree; the ranks
-    finish the step in flight, save it together and exit (75); nothing of the run is left, no step lost."""
-    run = FaultRun(ssh, tmp_path, steps=5000)
+@pytest.fixture(scope="module")
+def sigterm_run(ssh, tmp_path_factory):
+    """A scheduler's SIGTERM to the launch at step 7 (a FaultRun, checkpoints every 3 steps, 2 kept): what
+    it left, and then its checkpoint resumed on one node (single_node.sh, 2 ranks) for 2 more steps, with
+    no scheduled save between. The launch directory is the FaultRun's: multi_node.sh writes .deepspeed_env
+    there, not in the checkout."""
+    tmp = tmp_path_factory.mktemp("sigterm")
+    sshd_log_start = ssh["log"].stat().st_size
+    run = FaultRun(ssh, tmp, steps=5000, train={"keep_checkpoints": 2})
     run.wait_for_step(7)
     processes = node_processes(run.config)
     signalled = time.monotonic()
@@ -371,15 +299,102 @@ def test_sigterm_to_the_deepspeed_command_saves_the_step_in_flight_on_both_nodes
     run.wait(timeout=120)
     _, alive = psutil.wait_procs(processes, timeout=60)
     gone = time.monotonic() - signalled
-    text = run.log.read_text()
+    left = [(p.pid, cmdline(p)[-4:]) for p in alive if p.is_running()]  # named by the test, which fails
+    for leftover in alive:  # out of the resume's way
+        with contextlib.suppress(psutil.NoSuchProcess):
+            leftover.kill()
+    logins = ssh["log"].read_text()[sshd_log_start:]
+    two_nodes = run.log.read_text()
     logged = len((run.out / "train_log.jsonl").read_text().splitlines())
-    print(
-        f"SIGTERM to the deepspeed command: saved step {run.latest_step()} of {logged} logged, every "
-        f"process of both nodes gone {gone:.1f} s after the signal"
+    saved = run.latest_step()
+    one_node = launch(
+        [
+            REPO / "launchers" / "single_node.sh",
+            run.config,
+            "--set",
+            f"train.steps={saved + 2}",
+            "--set",
+            "train.save_every_steps=0",
+            "--resume",
+            "latest",
+        ],
+        cwd=tmp,
+        env={**run.env, "NUM_GPUS": "2", "MASTER_PORT": str(free_port())},
+        log=tmp / "one_node.log",
     )
-    assert not alive, f"left behind: {[(p.pid, p.cmdline()[-4:]) for p in alive if p.is_running()]}"
+    return {
+        "out": run.out,
+        "work": tmp,
+        "env": run.env,
+        "logs": (two_nodes, one_node),
+        "logins": logins,
+        "alive": len(alive),
+        "left": left,
+        "gone": gone,
+        "logged": logged,
+        "saved": saved,
+    }
+
+
+def test_sigterm_to_the_deepspeed_command_saves_the_step_in_flight_on_both_nodes(sigterm_run):
+    """A scheduler's SIGTERM to the launch: DeepSpeed's runner stops pdsh (which closes the remote ranks'
+    output) and pkills every node's launch.py, which passes SIGTERM to its rank's process tree; the ranks
+    finish the step in flight, save it together and exit (75); nothing of the run is left, no step lost."""
+    saved, logged = sigterm_run["saved"], sigterm_run["logged"]
+    print(
+        f"SIGTERM to the deepspeed command: saved step {saved} of {logged} logged, every "
+        f"process of both nodes gone {sigterm_run['gone']:.1f} s after the signal"
+    )
+    assert not sigterm_run["alive"], f"left behind: {sigterm_run['left']}"
     # the ranks' output ends with pdsh, before the save: the checkpoint tells (scheduled ones every 3 steps)
-    assert run.latest_step() == logged, text[-4000:]  # the step in flight was saved: nothing lost
+    assert saved == logged, sigterm_run["logs"][0][-4000:]  # the step in flight was saved: nothing lost
+
+
+def test_hostfile_launch_runs_one_rank_on_each_host(sigterm_run):
+    two_nodes = sigterm_run["logs"][0]
+    # pdsh prefixes every line with the host it came from; DeepSpeed's launcher there names its node rank
+    for node_rank, host in enumerate(HOSTS):
+        assert f"{host}: " in two_nodes
+        assert any(
+            line.startswith(f"{host}: ") and f"nnodes=2, num_local_procs=1, node_rank={node_rank}" in line
+            for line in two_nodes.splitlines()
+        ), f"no launcher of node rank {node_rank} on {host}"
+    # sshd saw logins to both addresses during the launch (not just the test's own probes before it)
+    for host in HOSTS:
+        assert f" on {host} port " in sigterm_run["logins"]
+    # PATH reached the remote ranks through .deepspeed_env in the launch directory, with the venv first
+    # after the test's ssh
+    path = sigterm_run["env"]["PATH"]
+    assert (sigterm_run["work"] / ".deepspeed_env").read_text().splitlines() == [f"PATH={path}"]
+    assert f"export PATH={path};" in two_nodes or f'export PATH="{path}";' in two_nodes  # quoted if need be
+
+
+def test_two_node_checkpoint_is_complete(sigterm_run):
+    saved = sigterm_run["saved"]
+    folder = sigterm_run["out"] / "checkpoints" / checkpoint.tag_for_step(saved)
+    marker = json.loads((folder / checkpoint.MARKER).read_text())
+    assert {key: marker[key] for key in ("step", "tag", "world_size")} == {
+        "step": saved,
+        "tag": folder.name,
+        "world_size": 2,
+    }
+    # each node's rank wrote its own ZeRO partition into the shared output folder
+    for rank in range(2):
+        assert len(list(folder.glob(f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))) == 1
+    assert (folder / "mp_rank_00_model_states.pt").is_file()
+
+
+def test_resume_on_one_node_continues_from_the_saved_step(sigterm_run):
+    one_node, saved, out = sigterm_run["logs"][1], sigterm_run["saved"], sigterm_run["out"]
+    first = out / "checkpoints" / checkpoint.tag_for_step(saved)
+    assert f"resumed from {first} at step {saved}" in one_node
+    assert "dist_world_size=2" in one_node
+    assert not any(line.startswith(HOSTS) for line in one_node.splitlines())  # no pdsh: one node
+    kept = [p.name for p in checkpoint.complete_checkpoints(out / "checkpoints")]
+    assert kept == [checkpoint.tag_for_step(saved), checkpoint.tag_for_step(saved + 2)]
+    # the stopped run logged steps 1..saved (the stopped step's scalars before it saved), the resumed one
+    # the next 2: each step in TensorBoard once
+    assert sorted(logged_steps(out)) == list(range(1, saved + 3))
 
 
 def test_a_lost_node_is_left_out_and_the_run_goes_on_by_itself(ssh, tmp_path):

@@ -1,0 +1,70 @@
+"""Stand-ins the in-process tests share: seeded batches in place of the webdataset loader, the toy config
+with the tiny model, and its Trainer (built as every run is: eva_fastclip.engine.build)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from eva_fastclip.config import ExperimentConfig, load_config
+from eva_fastclip.engine.build import build_trainer
+from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
+
+#: configs/toy.json's tiny model, no evaluation, fp32 (the same numbers on every CPU)
+TINY = (
+    "model.name=test-vit-xs",
+    "eval.zeroshot_dir=null",
+    "eval.retrieval_shards=null",
+    "train.precision=fp32",
+)
+
+
+def toy_config(output_dir: Path | str, *sets: str, base: Sequence[str] = TINY) -> ExperimentConfig:
+    """configs/toy.json with ``base``, the output folder and ``sets`` (later ones win)."""
+    return load_config("configs/toy.json", [*base, f"train.output_dir={output_dir}", *sets])
+
+
+def toy_trainer(cfg: ExperimentConfig, *, loader=None, resume: str | None = None, ds: dict | None = None):
+    """The Trainer of ``cfg`` (its DeepSpeed JSON unless ``ds``) in this process."""
+    ds = ds if ds is not None else load_deepspeed_config(cfg.train.deepspeed_config)
+    return build_trainer(cfg, ds, resume=resume, loader=loader)
+
+
+class StandInBatches:
+    """A loader the Trainer accepts: ``count`` seeded batches of ``batch`` pairs (images, tokens, dataset
+    indices), the same every epoch. ``indices``: "perm" (a seeded permutation's first ``batch`` per batch),
+    "chunks" (consecutive slices of one permutation: each sample once per epoch) or "arange"."""
+
+    def __init__(
+        self,
+        count: int = 6,
+        batch: int = 8,
+        *,
+        dataset_size: int = 64,
+        image_size: int = 32,
+        context_length: int = 16,
+        seed: int = 0,
+        indices: str = "perm",
+    ) -> None:
+        g = torch.Generator().manual_seed(seed)
+        order = torch.randperm(dataset_size, generator=g) if indices == "chunks" else None
+        self.batches = []
+        for i in range(count):
+            images = torch.randn(batch, 3, image_size, image_size, generator=g)
+            tokens = torch.randint(1, 49000, (batch, context_length), generator=g)
+            if indices == "perm":
+                index = torch.randperm(dataset_size, generator=g)[:batch]
+            elif indices == "chunks":
+                index = order[i * batch : (i + 1) * batch]
+            else:
+                index = torch.arange(batch)
+            self.batches.append((images, tokens, index))
+        self.num_batches, self.dataset_size, self.num_samples = count, dataset_size, dataset_size
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+    def __iter__(self):
+        return iter(self.batches)
