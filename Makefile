@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # the venv's ninja must come first: another ninja makes DeepSpeed rebuild its CPU comm op
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: demo test lint clean
+.PHONY: demo test test-fast lint clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	python3 -m venv $(VENV)
@@ -17,8 +17,15 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 demo: $(VENV)/.installed
 	bash launchers/demo.sh
 
+# one process: two pytest-xdist workers took longer on 2 cores (26 min against 22: one worker's launched
+# ranks competing with the other's tests, timed faults detected later)
 test: $(VENV)/.installed
 	$(PY) -m pytest -q --durations=15
+
+# the edit-test loop: the in-process tests but the slowest (tests/conftest.py SLOW), none that launches
+# ranks (tests/launched/)
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not slow" tests --ignore=tests/launched
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

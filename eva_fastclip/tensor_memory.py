@@ -10,7 +10,7 @@ communication backend allocates in its own threads.
 
 With ``limit`` it raises ``torch.OutOfMemoryError`` at the op that takes the live sum over it: what a
 device with that much memory does, so ``eva-fastclip tune`` runs its out-of-memory path on a CPU
-(``--memory-limit-gib``). ``bench-loss`` measures the loss step with it.
+(``--memory-limit-gib``). ``python -m benchmarks.loss_memory`` measures the loss step with it.
 """
 
 from __future__ import annotations

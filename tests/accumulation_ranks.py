@@ -96,3 +96,9 @@ def two_ranks(out: Path) -> None:
     for name in LOSSES:
         trainer = make_trainer(out / f"{name}_ranks", name, POOL // world)
         torch.save(run(trainer, step_pairs()), out / f"{name}_rank{rank}.pt")
+
+
+def assert_same_step(got: dict, want: dict, table: torch.Tensor | None = None) -> None:
+    for name, value in want["weights"].items():
+        torch.testing.assert_close(got["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+    torch.testing.assert_close(got["table"] if table is None else table, want["table"], rtol=1e-5, atol=1e-6)

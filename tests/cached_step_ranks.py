@@ -140,3 +140,25 @@ def two_ranks(out: Path) -> None:
         name = f"{loss}_zero{stage}"
         trainer = make_trainer(out / f"{name}_run", loss, micro=per_rank // 4, accum=4, stage=stage)
         torch.save(run(trainer), out / f"{name}_rank{rank}.pt")
+
+
+#: how close the states must be, of each tensor's norm (tests/test_cached_step.py's docstring)
+RTOL = 1e-4
+
+
+def assert_same_state(got: dict, want: dict, label: str, tables: tuple | None = None) -> None:
+    """Every tensor of the engine (master, moments, module weight), every buffer and the per-sample
+    table within RTOL of its norm."""
+    pairs = [(f"{name}[{i}]", g, w) for name in want["engine"] for i, (g, w) in
+             enumerate(zip(got["engine"][name], want["engine"][name]))]  # fmt: skip
+    pairs += [(f"buffer {name}", got["buffers"][name], w) for name, w in want["buffers"].items()]
+    if want["table"] is not None:
+        pairs.append(("per-sample table", tables[0] if tables else got["table"], want["table"]))
+    for what, g, w in pairs:
+        g, w = g.double(), w.double()
+        finite = torch.isfinite(w)
+        assert torch.equal(finite, torch.isfinite(g)), f"{label}: {what} finite elsewhere"
+        error = (g[finite] - w[finite]).norm()
+        assert error <= RTOL * w[finite].norm() + 1e-12, (
+            f"{label}: {what} off by {error / w[finite].norm():.2e}"
+        )

@@ -35,3 +35,48 @@ def toy_data(tmp_path_factory):
     root = tmp_path_factory.mktemp("toy_data")
     write_toy_dataset(root, num_train=64, num_val=8, num_zeroshot=8, image_size=32, samples_per_shard=16)
     return root
+
+
+#: the in-process tests that take over ~2 s each on a 2-core machine (module::function, every parameter):
+#: marked ``slow``, left out of the fast tier (``make test-fast``); ``make test`` runs them
+SLOW = {
+    "test_accumulation::test_the_logged_loss_is_the_mean_over_the_steps_micro_batches",
+    "test_bench_convergence::test_plot_is_written",
+    "test_benchmarks::test_accumulation_benchmark_runs_every_side_on_the_same_batch",
+    "test_cached_step::test_four_micro_batches_take_the_step_of_one",
+    "test_corrupt_data::test_a_resumed_run_logs_the_skips_of_the_whole_run",
+    "test_corrupt_data::test_an_epoch_delivers_every_good_sample_and_counts_every_bad_one",
+    "test_corrupt_data::test_skip_counts_go_on_after_a_resume",
+    "test_data_wait::test_a_run_measures_its_wait_on_data",
+    "test_datacomp::test_eval_suite_from_the_command_line_on_all_38_tasks",
+    "test_epoch_coverage::test_an_epoch_draws_every_sample_once",
+    "test_epoch_coverage::test_an_epoch_resumed_on_another_layout_draws_the_rest_once",
+    "test_eval_results::test_a_resumed_run_appends_to_eval_results",
+    "test_export_eva::test_eva02_b16_round_trips_through_the_open_clip_format",
+    "test_export_eva::test_model_with_a_hugging_face_text_tower_exports_and_reloads",
+    "test_lamb_zero::test_one_rank_steps_are_per_tensor",
+    "test_nonfinite::test_non_finite_steps_stop_the_run_and_keep_the_last_checkpoint",
+    "test_resume::test_a_conversion_is_made_once_per_save",
+    "test_resume::test_a_resumed_epoch_goes_on_exactly_where_it_stopped",
+    "test_save_by_time::test_checkpoints_come_by_time",
+    "test_train_images::test_the_fast_path_is_the_compose_on_the_same_samples_and_crops",
+    "test_tune::test_an_out_of_memory_probe_frees_what_it_held",
+    "test_tune::test_estimate_only_plans_the_laion_preset_for_8_and_32_gpus_keeping_its_batch",
+    "test_tune::test_estimates_are_within_15_percent_of_the_measured_peaks",
+    "test_winogavil::test_the_scoring_equals_datacomps_loop_on_tied_fp16_similarities",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark SLOW's tests ``slow``."""
+    named = set()
+    for item in items:
+        name = f"{item.path.stem}::{getattr(item, 'originalname', item.name)}"
+        if name in SLOW:
+            item.add_marker(pytest.mark.slow)
+            named.add(name)
+    # a name that no longer names a test (renamed, moved) would quietly put a slow test in the fast tier
+    collected = {item.path.stem for item in items}
+    stale = sorted(n for n in SLOW - named if n.split("::")[0] in collected)
+    if stale and not config.option.keyword:
+        raise pytest.UsageError(f"tests/conftest.py SLOW names no test: {stale}")

@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from eva_fastclip.cli import main
-from eva_fastclip.engine.trainer import NonFiniteSteps, Trainer
+from eva_fastclip.engine.trainer import Trainer
+from eva_fastclip.reliability.bad_steps import NonFiniteSteps
 
 RANK = int(os.environ.get("RANK", "0"))
 stopped: dict = {}

@@ -133,12 +133,15 @@ class RankPool:
     ) -> RankGroup:
         """Start ``ranks`` ranks of PROGRAM (``["--module", NAME, ARGS...]`` or ``[SCRIPT, ARGS...]``, as the
         deepspeed command takes it) in the pool's folder, with os.environ updated by ``env``."""
-        env = {**os.environ, **(env or {})}
-        frozen = sorted(
-            k for k in {*env, *self._env} if k.startswith(STARTUP_ENV) and env.get(k) != self._env.get(k)
-        )
+        asked = env or {}
+        frozen = sorted(k for k in asked if k.startswith(STARTUP_ENV) and asked[k] != self._env.get(k))
         if frozen:
             raise ValueError(f"rank pool: {frozen} differ from the server's, read at its start")
+        # what this process picked up since the server started (importing scikit-learn sets KMP_*) cannot
+        # reach the ranks either: the server's values stand
+        env = {k: v for k, v in os.environ.items() if not k.startswith(STARTUP_ENV)}
+        env.update({k: v for k, v in self._env.items() if k.startswith(STARTUP_ENV)})
+        env.update(asked)
         request = {
             "ranks": ranks,
             "program": list(program),

@@ -3,11 +3,13 @@ with the tiny model, and its Trainer (built as every run is: eva_fastclip.engine
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from eva_fastclip.checkpointing import checkpoint
 from eva_fastclip.config import ExperimentConfig, load_config
 from eva_fastclip.engine.build import build_trainer
 from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
@@ -68,3 +70,37 @@ class StandInBatches:
 
     def __iter__(self):
         return iter(self.batches)
+
+
+class SixBatches:
+    num_batches, dataset_size, num_samples = 6, 64, 64
+
+    def set_epoch(self, epoch):
+        pass
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(0)
+        for _ in range(6):
+            tokens = torch.randint(1, 49000, (8, 16), generator=g)
+            yield torch.randn(8, 3, 32, 32, generator=g), tokens, torch.arange(8)
+
+
+# ---- what a run wrote ------------------------------------------------------------------------------------
+
+
+def files_of(folder: Path, mtimes: bool = False) -> dict:
+    """Every file under ``folder``: its bytes and, with ``mtimes``, its modification time."""
+    return {
+        str(path.relative_to(folder)): (path.read_bytes(), path.stat().st_mtime_ns if mtimes else None)
+        for path in sorted(folder.rglob("*"))
+        if path.is_file()
+    }
+
+
+def step_log(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def complete_steps(out: Path) -> list[int]:
+    """The steps of the complete checkpoints under ``out``/checkpoints, oldest first."""
+    return [int(p.name.removeprefix("step_")) for p in checkpoint.complete_checkpoints(out / "checkpoints")]

@@ -132,12 +132,6 @@ def test_zero2_takes_the_same_step_as_zero1(stepped):
 # ---- which layouts take the same step ----------------------------------------------------------------
 
 
-def assert_same_step(got: dict, want: dict, table: torch.Tensor | None = None) -> None:
-    for name, value in want["weights"].items():
-        torch.testing.assert_close(got["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
-    torch.testing.assert_close(got["table"] if table is None else table, want["table"], rtol=1e-5, atol=1e-6)
-
-
 def test_the_order_of_the_micro_batches_does_not_change_the_step(tmp_path, caplog):
     """Every micro-batch of a step reads the state committed before it and the same weights and tau: its
     micro-batches in the other order take the same step (fastclip_v2: u and the individual tau_i). The
@@ -154,7 +148,7 @@ def test_the_order_of_the_micro_batches_does_not_change_the_step(tmp_path, caplo
     backward = layouts.run(
         layouts.make_trainer(tmp_path / "b", "fastclip_v2", layouts.POOL), steps, order=(1, 0)
     )
-    assert_same_step(backward, forward)
+    layouts.assert_same_step(backward, forward)
 
 
 def test_another_contrastive_batch_is_another_step(tmp_path):

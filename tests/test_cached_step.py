@@ -25,11 +25,9 @@ import cached_step_ranks as layouts
 import pytest
 import torch
 import torch.nn.functional as F
+from cached_step_ranks import assert_same_state
 
 from eva_fastclip.losses import build_loss
-
-RTOL = 1e-4  # of each tensor's norm (module docstring)
-
 
 # ---- the losses alone, float64 -----------------------------------------------------------------------
 
@@ -105,24 +103,6 @@ def test_one_micro_batch_of_a_cached_step_is_the_plain_loss():
 
 
 # ---- the Trainer and the engine, one process ---------------------------------------------------------
-
-
-def assert_same_state(got: dict, want: dict, label: str, tables: tuple | None = None) -> None:
-    """Every tensor of the engine (master, moments, module weight), every buffer and the per-sample
-    table within RTOL of its norm."""
-    pairs = [(f"{name}[{i}]", g, w) for name in want["engine"] for i, (g, w) in
-             enumerate(zip(got["engine"][name], want["engine"][name]))]  # fmt: skip
-    pairs += [(f"buffer {name}", got["buffers"][name], w) for name, w in want["buffers"].items()]
-    if want["table"] is not None:
-        pairs.append(("per-sample table", tables[0] if tables else got["table"], want["table"]))
-    for what, g, w in pairs:
-        g, w = g.double(), w.double()
-        finite = torch.isfinite(w)
-        assert torch.equal(finite, torch.isfinite(g)), f"{label}: {what} finite elsewhere"
-        error = (g[finite] - w[finite]).norm()
-        assert error <= RTOL * w[finite].norm() + 1e-12, (
-            f"{label}: {what} off by {error / w[finite].norm():.2e}"
-        )
 
 
 def relative_difference(a: dict, b: dict) -> float:

@@ -4,7 +4,7 @@ its export: tests/launched/test_end_to_end.py.)"""
 
 import json
 
-from test_resume import SixBatches
+from stand_ins import SixBatches
 
 from eva_fastclip.config import load_config
 from eva_fastclip.data import write_toy_dataset

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from stand_ins import complete_steps
 
 from eva_fastclip.checkpointing import checkpoint
 from eva_fastclip.cli import main
@@ -98,13 +99,6 @@ def train(
     return main(argv + (["--resume", resume] if resume else []))
 
 
-def complete_steps(tmp_path):
-    return [
-        int(p.name.removeprefix("step_"))
-        for p in checkpoint.complete_checkpoints(tmp_path / "run/checkpoints")
-    ]
-
-
 def weights_of(folder: Path) -> dict[str, torch.Tensor]:
     (states,) = folder.glob("mp_rank_00_model_states.pt")
     return torch.load(states, map_location="cpu", weights_only=False)["module"]
@@ -131,7 +125,7 @@ def test_non_finite_steps_stop_the_run_and_keep_the_last_checkpoint(
     assert f"eva-fastclip train: stopped: step {stop_step}: " in err and why in err
     assert f"the last complete checkpoint, {last_folder}, is intact" in err and "--resume latest" in err
     # nothing was saved after the last good checkpoint, not even a partial folder
-    assert complete_steps(tmp_path)[-1] == last
+    assert complete_steps(tmp_path / "run")[-1] == last
     assert max(int(p.name[5:]) for p in (tmp_path / "run/checkpoints").glob("step_*")) == last
     marker = json.loads((last_folder / checkpoint.MARKER).read_text())
     assert marker["step"] == last
@@ -144,7 +138,7 @@ def test_non_finite_steps_stop_the_run_and_keep_the_last_checkpoint(
         == 0
     )
     assert f"resumed from {last_folder} at step {last}" in caplog.text
-    assert complete_steps(tmp_path)[-1] == 12
+    assert complete_steps(tmp_path / "run")[-1] == 12
     final = weights_of(tmp_path / "run/checkpoints" / checkpoint.tag_for_step(12))
     assert all(torch.isfinite(t).all() for t in final.values() if t.is_floating_point())
 
@@ -154,7 +148,7 @@ def test_zero_never_stops(tmp_path, shards, monkeypatch):
     skipped steps left the weights finite)."""
     poisoned = set(range(3, 13))
     assert train(tmp_path, shards, monkeypatch, stage=1, poisoned=poisoned, save_every=0, max_skipped=0) == 0
-    assert complete_steps(tmp_path) == [12]
+    assert complete_steps(tmp_path / "run") == [12]
 
 
 def test_a_skipped_step_leaves_batchnorm_statistics_as_they_were(tmp_path, shards, monkeypatch):

@@ -11,14 +11,12 @@ import pytest
 
 from eva_fastclip.cli import main
 from eva_fastclip.config import ExperimentConfig, LossConfig, load_config
-from eva_fastclip.plan.deepspeed_json import load_deepspeed_config, resolve_deepspeed_config
-from eva_fastclip.plan.layout import batch_layout
+from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 from eva_fastclip.plan.precision import (
     Hardware,
-    choose_precision,
     detect_hardware,
-    precision_in_deepspeed_json,
 )
+from eva_fastclip.plan.run_plan import make_plan
 
 REPO = Path(__file__).parents[1]
 RECIPES = REPO / "docs" / "recipes.md"
@@ -70,15 +68,12 @@ def run_dir(tmp_path, monkeypatch):
 
 
 def resolve(preset: str, ranks: int, hardware: Hardware) -> dict:
-    """The experiment config and the DeepSpeed JSON as `eva-fastclip train` resolves them (cli.cmd_train)."""
+    """The experiment config and the DeepSpeed JSON as `eva-fastclip train` resolves them: the run plan's
+    (plan/run_plan.py), for GPUs elsewhere (no input file checked)."""
     cfg = load_config(REPO / "configs" / f"{preset}.json")
-    source = cfg.train.deepspeed_config
-    ds = load_deepspeed_config(source)
-    precision = choose_precision(
-        cfg.train.precision, precision_in_deepspeed_json(ds, source), hardware, source=source
-    )
-    resolved = resolve_deepspeed_config(ds, cfg, batch_layout(cfg, ranks), source=source, precision=precision)
-    return {"experiment": cfg.to_dict(), "deepspeed": resolved}
+    ds = load_deepspeed_config(cfg.train.deepspeed_config)
+    plan = make_plan(cfg, ds, world_size=ranks, hardware=hardware, inputs=False)
+    return {"experiment": cfg.to_dict(), "deepspeed": plan.deepspeed}
 
 
 def lookup(resolved: dict, key: str):

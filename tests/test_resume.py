@@ -13,6 +13,7 @@ from pathlib import Path
 import open_clip
 import pytest
 import torch
+from stand_ins import SixBatches, files_of, step_log
 from torchvision import transforms
 
 from eva_fastclip.checkpointing import checkpoint, resume_config
@@ -161,19 +162,6 @@ def test_the_trainer_derives_gamma_horizon_from_steps(tmp_path):
     cfg = tiny_config(tmp_path, ["train.epochs=1", "train.steps=50"])
     trainer = build_trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=SixBatches())
     assert trainer.loss.cfg.gamma_decay_epochs == 4
-
-
-class SixBatches:
-    num_batches, dataset_size, num_samples = 6, 64, 64
-
-    def set_epoch(self, epoch):
-        pass
-
-    def __iter__(self):
-        g = torch.Generator().manual_seed(0)
-        for _ in range(6):
-            tokens = torch.randint(1, 49000, (8, 16), generator=g)
-            yield torch.randn(8, 3, 32, 32, generator=g), tokens, torch.arange(8)
 
 
 def tiny_config(tmp_path, overrides):
@@ -432,16 +420,3 @@ def test_a_conversion_is_made_once_per_save(tmp_path, monkeypatch):
     assert not universal.exists()
     checkpoint.convert_to_universal(folder)
     assert len(calls) == 1 and checkpoint.is_complete(universal)
-
-
-def files_of(folder: Path, mtimes: bool = False) -> dict:
-    """Every file under ``folder``: its bytes and, with ``mtimes``, its modification time."""
-    return {
-        str(path.relative_to(folder)): (path.read_bytes(), path.stat().st_mtime_ns if mtimes else None)
-        for path in sorted(folder.rglob("*"))
-        if path.is_file()
-    }
-
-
-def step_log(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]

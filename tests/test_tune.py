@@ -3,10 +3,10 @@
 tests/launched/test_tune_two_ranks.py."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from tune_cases import MIB, REPO, toy_overrides
 
 from eva_fastclip.config import load_config, read_raw_config
 from eva_fastclip.data import write_toy_dataset
@@ -17,25 +17,12 @@ from eva_fastclip.tune import TuneOptions, Tuner
 from eva_fastclip.tune.layouts import Candidate, Trial, assign_verdicts, candidates
 from eva_fastclip.tune.probe import model_probe
 
-REPO = Path(__file__).parents[1]
-MIB = 2**20
-
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     out = tmp_path_factory.mktemp("tune_toy")
     write_toy_dataset(out, num_train=1024, num_val=16, num_zeroshot=16, samples_per_shard=256, seed=0)
     return out
-
-
-def toy_overrides(toy: Path, out: Path, global_batch: int = 64) -> list[str]:
-    return [
-        f'data.train_shards=["{toy / "train"}"]',
-        "data.workers=1",
-        "train.batch_size=null",
-        f"train.global_batch={global_batch}",
-        f"train.output_dir={out}",
-    ]
 
 
 # ---- layouts and the objective ------------------------------------------------------------------------

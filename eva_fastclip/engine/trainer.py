@@ -50,14 +50,12 @@ from eva_fastclip.optim.temperature import TemperatureController
 from eva_fastclip.plan import preflight
 from eva_fastclip.plan.deepspeed_json import autocast_dtype
 from eva_fastclip.plan.run_plan import RunPlan
-from eva_fastclip.reliability.bad_steps import BadSteps, NonFiniteSteps, agree
+from eva_fastclip.reliability.bad_steps import BadSteps, agree
 from eva_fastclip.reliability.data_wait import DataWait, cores_per_rank, slowest_rank
 from eva_fastclip.reliability.preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption
 from eva_fastclip.reliability.process import Rank
 from eva_fastclip.reliability.stragglers import ForwardTimer, Stragglers
 from eva_fastclip.reliability.watchdog import Watchdog
-
-__all__ = ["NonFiniteSteps", "Trainer"]
 
 log = logging.getLogger(__name__)
 

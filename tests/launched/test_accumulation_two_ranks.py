@@ -4,7 +4,6 @@
 import accumulation_ranks as layouts
 import pytest
 import torch
-from test_accumulation import assert_same_step
 
 TWO_RANK_PIECES = ("accumulation",)
 
@@ -30,5 +29,5 @@ def test_two_ranks_take_the_step_of_one_rank_with_the_same_contrastive_batch(two
     gradient)."""
     one = layouts.run(layouts.make_trainer(tmp_path, loss, layouts.POOL), layouts.step_pairs())
     ranks = two_ranks[loss]
-    assert_same_step(ranks[0], one, table=whole_table(ranks))
-    assert_same_step(ranks[1], one, table=whole_table(ranks))
+    layouts.assert_same_step(ranks[0], one, table=whole_table(ranks))
+    layouts.assert_same_step(ranks[1], one, table=whole_table(ranks))

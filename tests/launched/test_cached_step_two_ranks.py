@@ -6,8 +6,8 @@ real shards, 2 ranks x 4 micro-batches of 8 against one rank."""
 import cached_step_ranks as layouts
 import pytest
 import torch
+from cached_step_ranks import assert_same_state
 from launching import run_ranks
-from test_cached_step import assert_same_state
 
 TWO_RANK_PIECES = ("cached_step",)
 

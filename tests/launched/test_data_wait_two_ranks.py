@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from test_data_wait import FakeClock, TimedBatches, train
+from data_wait_clock import FakeClock, TimedBatches, train
 
 from eva_fastclip.reliability.data_wait import DataWait, slowest_rank
 

@@ -6,7 +6,7 @@ suite."""
 import pytest
 import torch
 import torch.distributed as dist
-from test_lamb_zero import CONFIGS, assert_per_tensor, reference, relative_error, run
+from lamb_zero_runs import CONFIGS, assert_per_tensor, reference, relative_error, run
 
 TWO_RANK_PIECES = ("lamb_zero",)
 TWO_RANKS = ("zero1-fp32", "zero2-fp32", "zero1-bf16", "zero2-bf16", "zero1-bf16-fp32-grads")

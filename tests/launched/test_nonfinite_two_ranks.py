@@ -6,7 +6,7 @@ import json
 
 import torch
 from launching import run_ranks
-from test_nonfinite import BATCH, complete_steps
+from stand_ins import complete_steps
 
 from eva_fastclip.checkpointing import checkpoint
 from eva_fastclip.export import consolidated_state_dict
@@ -25,7 +25,7 @@ def test_two_ranks_stop_together_when_one_ranks_loss_turns_non_finite(tmp_path, 
         "data.workers": 0,
         "train.deepspeed_config": "ds_configs/zero1_fp32_lamb.json",
         "train.precision": "fp32",
-        "train.batch_size": BATCH,
+        "train.batch_size": 8,
         "train.steps": 12,
         "train.save_every_steps": 4,
         "train.max_skipped_steps": 3,
@@ -49,7 +49,7 @@ def test_two_ranks_stop_together_when_one_ranks_loss_turns_non_finite(tmp_path, 
         assert "step 7: 3 optimizer steps in a row (steps 5-7) were skipped" in rank["message"]
         assert f"the last complete checkpoint, {last}, is intact" in rank["message"]
     assert "eva-fastclip train: stopped: step 7: " in text  # rank 0 says it on the console
-    assert complete_steps(tmp_path) == [4]  # the first one (step 4) is the only one, as saved
+    assert complete_steps(tmp_path / "run") == [4]  # the first one (step 4) is the only one, as saved
     assert [p.name for p in (out / "checkpoints").glob("step_*")] == [last.name]  # nor a partial one
     saved = json.loads((record / "saved_4.json").read_text())
     files = sorted(path for path in last.rglob("*") if path.is_file())

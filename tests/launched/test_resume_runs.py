@@ -24,7 +24,7 @@ import pytest
 import torch
 from launched_train import loaded_state
 from launching import run_ranks, train_args
-from test_resume import MICRO, SixBatches, files_of, step_log
+from stand_ins import SixBatches, files_of, step_log
 
 from eva_fastclip.checkpointing import checkpoint
 from eva_fastclip.config import load_config
@@ -33,6 +33,7 @@ from eva_fastclip.export import consolidated_state_dict
 from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 
 STEPS, KILL_AFTER, GLOBAL = 8, 3, 16  # 5 steps an epoch: the resumed runs cross into epoch 1
+MICRO = 8  # pairs a micro-batch
 MODULE = ["--module", "eva_fastclip"]
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch.distributed as dist
 from launching import run_ranks
-from test_tune import MIB, REPO, toy_overrides
+from tune_cases import MIB, REPO, toy_overrides
 
 from eva_fastclip.config import load_config
 from eva_fastclip.data import write_toy_dataset
