@@ -425,3 +425,29 @@ def test_unknown_flat_parameters_name_the_option_that_keeps_deepspeeds_rule():
 def test_the_trust_ratio_rule_is_validated():
     with pytest.raises(ConfigError, match="optim.lamb_trust_ratio must be one of"):
         OptimConfig(lamb_trust_ratio="per_partition")
+
+
+@pytest.mark.parametrize(
+    "arch_list, base",
+    [
+        ("9.0a", "9.0"),
+        ("8.0;9.0a", "8.0;9.0"),
+        ("9.0a+PTX", "9.0+PTX"),
+        ("10.0a 12.0", "10.0 12.0"),
+        ("8.6", "8.6"),
+    ],
+)
+def test_the_fused_optimizers_build_for_the_base_of_an_arch_specific_cuda_arch(arch_list, base):
+    """DeepSpeed 0.19.8's op builder reads each TORCH_CUDA_ARCH_LIST entry as below (builder.py,
+    compute_capability_args) and fails on 9.0a, which H100 / H200 images set (seen on an H200, 2026-11-27)."""
+    from eva_fastclip.optim.optimizer import base_cuda_archs
+
+    def deepspeed_reads(arch_list):
+        ccs = arch_list.replace(" ", ";").split(";")
+        return [tuple(int(part.split("+")[0]) for part in cc.split(".")) for cc in ccs]
+
+    assert base_cuda_archs(arch_list) == base
+    deepspeed_reads(base_cuda_archs(arch_list))
+    if base != arch_list:
+        with pytest.raises(ValueError):
+            deepspeed_reads(arch_list)

@@ -3,6 +3,9 @@ CUDA and CPU."""
 
 from __future__ import annotations
 
+import logging
+import os
+import re
 from typing import Any
 
 import torch
@@ -10,6 +13,8 @@ from torch import nn
 
 from eva_fastclip.config import ConfigError, OptimConfig
 from eva_fastclip.optim.param_groups import parameter_groups
+
+log = logging.getLogger(__name__)
 
 #: FusedLamb's own settings that optimizer.params may hold for "Lamb"; both devices get them.
 LAMB_PARAMS = ("bias_correction", "eps_inside_sqrt", "max_coeff", "min_coeff")
@@ -59,6 +64,8 @@ def build_optimizer(
     if kind == "Lamb":
         if cuda and optim.lamb_trust_ratio == "per_zero_partition":
             from deepspeed.ops.lamb import FusedLamb as Lamb
+
+            _buildable_cuda_arch_list()
         else:
             from eva_fastclip.optim.lamb import Lamb
         optimizer = Lamb(groups, lr=lr, betas=betas, eps=eps, **lamb_args)
@@ -67,9 +74,31 @@ def build_optimizer(
     if cuda:
         from deepspeed.ops.adam import FusedAdam
 
+        _buildable_cuda_arch_list()
         return FusedAdam(groups, lr=lr, betas=betas, eps=eps, adam_w_mode=True)
     # PyTorch's fused AdamW kernel (CPU too): one pass over the weights instead of one per foreach op
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+
+
+def base_cuda_archs(arch_list: str) -> str:
+    """TORCH_CUDA_ARCH_LIST with each arch-specific entry as its base arch: ``9.0a`` -> ``9.0``."""
+    return re.sub(r"(\d+\.\d+)[a-z](?=\+|;|\s|$)", r"\1", arch_list)
+
+
+def _buildable_cuda_arch_list() -> None:
+    """DeepSpeed 0.19.8's just-in-time build of its fused optimizers reads TORCH_CUDA_ARCH_LIST as
+    MAJOR.MINOR[+PTX] and fails on an arch-specific entry such as ``9.0a`` (``int('0a')``), which CUDA images
+    for H100 / H200 set. Those kernels use no arch-specific instruction: build them for the base arch."""
+    arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+    base = base_cuda_archs(arch_list)
+    if base != arch_list:
+        log.warning(
+            "TORCH_CUDA_ARCH_LIST=%s: DeepSpeed's kernel build cannot read arch-specific entries; building "
+            "its fused optimizer for %s",
+            arch_list,
+            base,
+        )
+        os.environ["TORCH_CUDA_ARCH_LIST"] = base
 
 
 def _keep_trust_ratio_bounds(optimizer: torch.optim.Optimizer) -> None:
