@@ -76,9 +76,11 @@ def main(argv: list[str] | None = None) -> int:
                 where = f"{args.host}:{args.port}"
                 why = f"the store on rank 0 ({where}) has not answered for {args.timeout_s:.0f} s"
         if why:
-            os.kill(args.pid, signal.SIGKILL)  # its fork server and loader workers die with it
+            # said first: once the rank dies its launch.py exits, and on another node pdsh may close the
+            # output this line goes to before a line written after the kill gets there
             with contextlib.suppress(OSError):  # an output pdsh closed
                 _say(args.rank, f"{why}: SIGKILL to rank {args.rank} (pid {args.pid})")
+            os.kill(args.pid, signal.SIGKILL)  # its fork server and loader workers die with it
             return 0
 
 
