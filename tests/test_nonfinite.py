@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launching import train_args
 from stand_ins import complete_steps
 
 from eva_fastclip.checkpointing import checkpoint
@@ -93,9 +94,7 @@ def train(
         "eval.zeroshot_dir": "null",
         "eval.retrieval_shards": "null",
     }
-    argv = ["train", "--config", "configs/toy.json"]
-    for key, value in overrides.items():
-        argv += ["--set", f"{key}={value}"]
+    argv = train_args(*(f"{key}={value}" for key, value in overrides.items()))
     return main(argv + (["--resume", resume] if resume else []))
 
 

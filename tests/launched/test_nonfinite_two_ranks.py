@@ -5,7 +5,7 @@ import hashlib
 import json
 
 import torch
-from launching import run_ranks
+from launching import run_ranks, train_args
 from stand_ins import complete_steps
 
 from eva_fastclip.checkpointing import checkpoint
@@ -35,9 +35,7 @@ def test_two_ranks_stop_together_when_one_ranks_loss_turns_non_finite(tmp_path, 
         "eval.zeroshot_dir": "null",
         "eval.retrieval_shards": "null",
     }
-    args = ["train", "--config", "configs/toy.json"]
-    for key, value in sets.items():
-        args += ["--set", f"{key}={value}"]
+    args = train_args(*(f"{key}={value}" for key, value in sets.items()))
     hooks = {"EVA_TEST_POISON": "1:5,6,7", "EVA_TEST_RECORD": str(record)}
     program = ["tests/launched_train.py", *args]
     text = run_ranks(2, program, tmp_path / "launch.log", pool=rank_pool, env=hooks, expect=3)
