@@ -17,10 +17,10 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 demo: $(VENV)/.installed
 	bash launchers/demo.sh
 
-# one process: two pytest-xdist workers took longer on 2 cores (26 min against 22: one worker's launched
-# ranks competing with the other's tests, timed faults detected later)
+# two pytest-xdist workers: the launched tests one after another on one, the in-process tests on one
+# thread beside them on the other (tests/conftest.py pytest_xdist_make_scheduler)
 test: $(VENV)/.installed
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n 2 --durations=15
 
 # the edit-test loop: the in-process tests but the slowest (tests/conftest.py SLOW), none that launches
 # ranks (tests/launched/)

@@ -67,6 +67,28 @@ SLOW = {
 }
 
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
+    # two threads a test beside the other worker's ranks oversubscribe the cores: OpenMP's threads wait
+    # for each other spinning, and every test and rank is slower than on one thread
+    torch.set_num_threads(1)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (``make test``: ``-n 2``), two streams, a worker each: one runs the launched tests
+    one after another (their ranks take both cores in turns), the other the in-process tests beside it.
+    (pytest-xdist's own ``--dist loadgroup`` does not group under pytest 9.2: its group names never reach
+    the scheduler.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TwoStreams(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "launched" if nodeid.startswith("tests/launched/") else "in_process"
+
+    return TwoStreams(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark SLOW's tests ``slow``."""
     named = set()

@@ -26,7 +26,8 @@ as torch loads; DeepSpeed's accelerator): a launch whose STARTUP_ENV differs fro
 no launcher log lines; the ranks write to one file (O_APPEND), not to the caller's stdout. The supervisor
 is a child subreaper: what a rank leaves behind becomes its child; it waits 5 s for those, SIGKILLs the
 rest and names them in ``group.leftovers``. ``group.cpu_s``: CPU time of the whole group (ranks, loader
-fork servers and workers, guardians).
+fork servers and workers, guardians). Each rank's loader fork server is forked from the rank as it starts
+(with the server's imports, not a new interpreter's), and is there whether or not the rank starts workers.
 """
 
 from __future__ import annotations
@@ -83,6 +84,25 @@ class RankGroup:
     def wait(self, timeout: float | None = None) -> int:
         self._pool._until(lambda: self.code is not None, timeout)
         return self.code
+
+    def poll(self) -> int | None:
+        """The exit code if the group has ended, else None, without waiting."""
+        with contextlib.suppress(TimeoutError):
+            self.wait(0)
+        return self.code
+
+    def rank(self, rank: int):
+        """The rank's psutil.Process."""
+        import psutil
+
+        return psutil.Process(self.pids[rank])
+
+    def processes(self) -> list:
+        """The supervisor's and every descendant's psutil.Process: the ranks, fork servers, workers."""
+        import psutil
+
+        root = psutil.Process(self.pid)
+        return [root, *root.children(recursive=True)]
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal every process of the group (supervisor, ranks, their workers); SIGKILL ends it at once."""
@@ -187,9 +207,9 @@ class RankPool:
         fd = self._proc.stdout.fileno()
         while not done():
             left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise TimeoutError(f"rank pool: nothing after {timeout} s")
-            if not select.select([fd], [], [], left)[0]:
+            if not select.select([fd], [], [], None if left is None else max(left, 0.0))[0]:
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"rank pool: nothing after {timeout} s")
                 continue
             chunk = os.read(fd, 1 << 16)
             if not chunk:
@@ -370,7 +390,39 @@ def _rank(request: dict, rank: int, log: int) -> tuple[str | None, str]:
         sys.modules["numpy"].random.seed()
     if "torch" in sys.modules:
         sys.modules["torch"].seed()
+    _fork_loader_server()
     return module, script
+
+
+def _fork_loader_server() -> None:
+    """The rank's loader fork server (eva_fastclip/data/workers.py), forked now instead of started as a new
+    interpreter when the rank first asks for it: it has the server's imports, its preload's but one, and
+    none of the seconds they cost each rank. Now: the rank is single-threaded and has run no torch op (no
+    OpenMP pool to break by a fork), and the fork server dies with this, the rank's main thread, as the
+    rank's own would. multiprocessing then finds it running and starts no other."""
+    from multiprocessing import forkserver
+
+    from eva_fastclip.data.workers import FORK_SERVER_PRELOAD
+
+    server = forkserver._forkserver
+    listener = socket.socket(socket.AF_UNIX)
+    address = forkserver.connection.arbitrary_address("AF_UNIX")
+    listener.bind(address)
+    os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()  # every client holds the write end; the server ends once all have gone
+    pid = os.fork()
+    if pid == 0:
+        keep = sorted({0, 1, 2, listener.fileno(), alive_r})
+        for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")]):
+            os.closerange(low + 1, high)
+        try:
+            forkserver.main(listener.fileno(), alive_r, list(FORK_SERVER_PRELOAD))
+        finally:
+            os._exit(0)
+    listener.close()
+    os.close(alive_r)
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
 
 
 if __name__ == "__main__":

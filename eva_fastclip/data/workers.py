@@ -22,6 +22,16 @@ import functools
 import multiprocessing
 import signal
 
+#: what the fork server imports before it forks a worker
+FORK_SERVER_PRELOAD = (
+    "eva_fastclip.data.fork_server",  # first: the server dies with its rank
+    "torch",
+    "PIL.Image",
+    "open_clip",
+    "eva_fastclip.data.train_loader",
+    "eva_fastclip.evaluation.samples",
+)
+
 
 def worker_context() -> multiprocessing.context.BaseContext:
     """The multiprocessing context of every loader's workers: a fork server, shared by the rank's loaders.
@@ -29,16 +39,7 @@ def worker_context() -> multiprocessing.context.BaseContext:
     worker starts in a fraction of a second rather than after seconds of imports."""
     _kill_workers_at_exit()
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(
-        [
-            "eva_fastclip.data.fork_server",  # first: the server dies with its rank
-            "torch",
-            "PIL.Image",
-            "open_clip",
-            "eva_fastclip.data.train_loader",
-            "eva_fastclip.evaluation.samples",
-        ]
-    )
+    context.set_forkserver_preload(list(FORK_SERVER_PRELOAD))
     return context
 
 

@@ -1,12 +1,13 @@
-"""Two ranks through the real ``deepspeed`` launcher on CPU: train, checkpoint, resume, evaluate, export.
+"""Two ranks on CPU: train, checkpoint, resume, evaluate, export.
 
-Two launches in all (the user's command: ~1 minute each on 2 cores), shared by every test in this module,
-with FastCLIP-v3 (per-sample state, the temperature controller, gamma's schedule): 30 steps, then resumed
-to 40, evaluated during training (every 20 steps, and at each run's end) on zero-shot, retrieval and an
-ImageNet folder of 3 images, in batches of 6 (uneven shares; rank 1 holds no ImageNet image): every
-evaluated step equals one rank's evaluation of that step's checkpoint exactly, and the zero-shot numbers
-equal clip_benchmark's own evaluator on the exported model. OpenCLIP's loss goes through the launcher in
-tests/launched/test_cached_step_two_ranks.py (2 ranks against 1, the whole state).
+Two launches in all, shared by every test in this module: the user's command through the real
+``deepspeed`` launcher, then its resume from the rank pool (tests/launching.py). FastCLIP-v3 (per-sample
+state, the temperature controller, gamma's schedule): 30 steps, then resumed to 40, evaluated during
+training (every 20 steps, and at each run's end) on zero-shot, retrieval and an ImageNet folder of 3
+images, in batches of 6 (uneven shares; rank 1 holds no ImageNet image): every evaluated step equals one
+rank's evaluation of that step's checkpoint exactly, and the zero-shot numbers equal clip_benchmark's own
+evaluator on the exported model. OpenCLIP's loss is launched on 2 ranks in
+tests/launched/test_cached_step_two_ranks.py (against 1 rank, the whole state).
 """
 
 import json
@@ -16,7 +17,7 @@ from pathlib import Path
 import open_clip
 import pytest
 import torch
-from launching import Launch
+from launching import Launch, run_ranks
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -74,7 +75,7 @@ def scalars(run_dir: Path, tag: str) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, rank_pool):
     loss = "fastclip_v3"
     tmp = tmp_path_factory.mktemp(f"e2e_{loss}")
     data = tmp / "toy"
@@ -120,7 +121,9 @@ def run(tmp_path_factory):
         f"data.num_samples={16 * 2 * 10}",  # 10 steps an epoch: the resumed run is in epoch 3 (gamma < 1)
     ]
     first = launch(common + ["--set", f"train.steps={FIRST_STEPS}"], tmp, "first")
-    second = launch(common + ["--set", f"train.steps={TOTAL_STEPS}", "--resume", "latest"], tmp, "second")
+    # the resumed run from the rank pool: the launcher was the first run's, and is the same
+    again = [*common, "--set", f"train.steps={TOTAL_STEPS}", "--resume", "latest"]
+    second = run_ranks(2, ["--module", "eva_fastclip", *again], tmp / "second.log", pool=rank_pool)
     return {
         "tmp": tmp,
         "out": out,

@@ -3,8 +3,9 @@ its allowance logs what it was doing, which ranks it waits for and its threads' 
 code 124; the launcher then ends the rest, and no process of the run is left. Each test prints how long
 the detection and the whole stop took.
 
-The runs go through the real launcher (launched/fault_runs.py): launch.py ending the other ranks is part of
-what is tested.
+The runs are launched/fault_runs.py's. The stalled loader worker's goes through the real launcher: launch.py
+ending the other ranks is part of what is tested there. The stopped rank's comes from the rank pool, whose
+supervisor does launch.py's part (SIGTERM to the other ranks' trees, SIGKILL 30 s later).
 """
 
 import signal
@@ -14,7 +15,7 @@ import time
 
 import pytest
 from fault_runs import MODULE, fault_args
-from launching import Launch, all_gone
+from launching import Launch, all_gone, wait_for_step
 
 from eva_fastclip.reliability.watchdog import HANG_EXIT_CODE
 
@@ -40,24 +41,19 @@ def test_a_phase_that_outlasts_its_allowance_ends_the_process():
     assert took < 10
 
 
-def hanging_run(data, tmp_path, name, *extra):
+def hanging_args(data, tmp_path, *extra) -> list[str]:
     sets = [f"train.hang_timeout_s={TIMEOUT}", "train.hang_timeout_long_s=120", "train.steps=2000", *extra]
-    run = Launch(2, [*MODULE, *fault_args(data, tmp_path / "run", *sets)], tmp_path / f"{name}.log")
-    try:
-        run.wait_for_step(5)
-    except BaseException:
-        run.kill()
-        raise
-    return run
+    return [*MODULE, *fault_args(data, tmp_path / "run", *sets)]
 
 
 @pytest.mark.launcher
-def test_a_stopped_rank_is_named_and_the_run_ends(toy_data, tmp_path):
+def test_a_stopped_rank_is_named_and_the_run_ends(toy_data, rank_pool, tmp_path):
     """SIGSTOP to rank 1 (a wedged GPU, a stuck file system): rank 0 waits in a collective, its watchdog
-    names rank 1 (no heartbeat) and exits 124; launch.py ends rank 1 (SIGTERM, then SIGKILL after 30 s).
-    (No loader workers: the next test stops those.)"""
-    run = hanging_run(toy_data, tmp_path, "stopped_rank", "data.workers=0")
+    names rank 1 (no heartbeat) and exits 124; the supervisor ends rank 1 (SIGTERM, then SIGKILL after
+    30 s, as launch.py does). (No loader workers: the next test stops those.)"""
+    run = rank_pool.launch(2, hanging_args(toy_data, tmp_path, "data.workers=0"), tmp_path / "stopped.log")
     try:
+        wait_for_step(tmp_path / "run", 5, alive=lambda: run.poll() is None, log=run.log)
         processes = run.processes()
         stopped = time.monotonic()
         run.rank(1).send_signal(signal.SIGSTOP)
@@ -82,8 +78,9 @@ def test_a_stalled_loader_worker_is_named_and_the_run_ends(toy_data, tmp_path):
     """SIGSTOP to a loader worker of rank 0: rank 0 waits for a batch past its allowance and names its
     workers; rank 1 waits in a collective and names rank 0 as behind; both exit 124, the stopped worker
     is killed with its rank, and nothing of the run is left."""
-    run = hanging_run(toy_data, tmp_path, "stalled_worker")
+    run = Launch(2, hanging_args(toy_data, tmp_path), tmp_path / "stalled_worker.log")
     try:
+        run.wait_for_step(5)
         processes = run.processes()
         rank0 = run.rank(0)
         # its fork server's children (data/workers.py)

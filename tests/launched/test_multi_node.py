@@ -7,7 +7,8 @@ an ``ssh`` first on PATH that uses an ssh config of its own: the stand-in for th
 cluster user, which reaches both DeepSpeed's ssh check and pdsh, while the real ``~/.ssh`` is neither read
 nor changed. The run stopped by a SIGTERM to the ``deepspeed`` command is then resumed on one node with the
 same world size (``launchers/single_node.sh`` with 2 ranks); another number of ranks is
-tests/launched/test_resume.py's. Those two launches serve four tests; each other fault has a run of its own.
+tests/launched/test_resume.py's. Those two launches serve four tests; a rank killed on node 2 and the loss
+of that node at the restart share a run; a stopped rank has one of its own.
 
 Skipped, saying why, where sshd or pdsh is missing (``.ci/run`` installs them: Debian packages
 openssh-server and pdsh).
@@ -248,22 +249,6 @@ class FaultRun:
         return checkpoint.read_marker(latest)["step"]
 
 
-def test_a_rank_killed_on_the_second_node_ends_the_run_on_both_within_a_minute(ssh, tmp_path):
-    """SIGKILL to node 2's rank mid-run: node 1's rank fails in its next collective (the peer's sockets
-    closed), every launcher exits, and the ``deepspeed`` command returns non-zero, with the default
-    settings; ``latest`` still names a complete checkpoint."""
-    run = FaultRun(ssh, tmp_path, steps=5000)
-    code, runner_done, all_done, alive = run.signal_node2_rank(psutil.Process.kill)
-    print(
-        f"node 2's rank SIGKILLed: the deepspeed command returned {code} after {runner_done:.1f} s, "
-        f"every process of both nodes gone after {all_done:.1f} s"
-    )
-    assert code != 0
-    assert not alive, f"left behind: {[(p.pid, p.cmdline()[-4:]) for p in alive]}"
-    assert all_done < 60, run.log.read_text()[-4000:]
-    assert run.latest_step() >= 6
-
-
 def test_a_stopped_rank_on_the_second_node_ends_the_run_on_both(ssh, tmp_path):
     """SIGSTOP to node 2's rank, its node's only one: rank 0's watchdog ends the hang and marks the run
     aborted, node 2's guardian SIGKILLs the stopped rank, and every launcher exits (before the guardians,
@@ -397,23 +382,28 @@ def test_resume_on_one_node_continues_from_the_saved_step(sigterm_run):
     assert sorted(logged_steps(out)) == list(range(1, saved + 3))
 
 
-def test_a_lost_node_is_left_out_and_the_run_goes_on_by_itself(ssh, tmp_path):
-    """MAX_RESTARTS=1 MIN_NODES=1: every process of node 2 killed and its sshd stopped mid-run. The run
-    fails, the restart supervisor finds node 2 gone, and the run goes on from its last checkpoint on node
-    1 alone (1 rank: the global batch and every-sample-once hold across the change) to its last step."""
+def test_a_killed_rank_ends_the_run_on_both_and_a_lost_node_is_left_out_on_restart(ssh, tmp_path):
+    """MAX_RESTARTS=1 MIN_NODES=1. At step 7 node 2 is lost: its sshd stopped, then its rank SIGKILLed.
+    First, as with the default settings: node 1's rank fails in its next collective (the peer's sockets
+    closed), every launcher exits within a minute, the ``deepspeed`` command fails, and ``latest`` still
+    names a complete checkpoint. Then the restart supervisor finds node 2 gone, and the run goes on from
+    that checkpoint on node 1 alone (1 rank: the global batch and every-sample-once hold across the
+    change) to its last step."""
     run = FaultRun(ssh, tmp_path, steps=14, MAX_RESTARTS="1", MIN_NODES="1")
     run.wait_for_step(7)
     node2 = HOSTS[1]
-    server = psutil.Process(ssh["sshd"][node2].pid)
+    first_launch = node_processes(run.config)
+    (rank,) = [p for p in run.node(1) if "--local_rank=0" in p.cmdline()]
     step_log = run.out / "train_log.jsonl"
     before = step_log.stat().st_ino  # the resumed run rewrites the log without the steps it trains again
     lost = time.monotonic()
     first_step = None  # seconds from the loss to the first step after the restart
     try:
-        for proc in [*run.node(1), *server.children(recursive=True), server]:  # its sessions, then it
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc.kill()
+        ssh["sshd"][node2].kill()  # its listener: no new login (the launch's own sessions go on)
         ssh["sshd"][node2].wait(timeout=30)
+        rank.kill()
+        _, alive = psutil.wait_procs(first_launch, timeout=60)
+        first_gone = time.monotonic() - lost
         while run.proc.poll() is None and time.monotonic() - lost < 600:
             resumed = re.search(r"restart 1 of 1: .* resuming from step (\d+)", run.log.read_text())
             rewritten = resumed and step_log.stat().st_ino != before
@@ -427,8 +417,16 @@ def test_a_lost_node_is_left_out_and_the_run_goes_on_by_itself(ssh, tmp_path):
     (restart,) = [line for line in text.splitlines() if "restart 1 of 1:" in line]
     resumed = next(line for line in text.splitlines() if "resumed from" in line)
     steps = [json.loads(line) for line in (run.out / "train_log.jsonl").read_text().splitlines()]
-    print(f"node 2 lost: {restart.split('] ', 1)[1][:110]}; then {resumed.strip()[-60:]}")
+    print(
+        f"node 2's rank SIGKILLed: every process of both nodes' launch gone after {first_gone:.1f} s; "
+        f"{restart.split('] ', 1)[1][:110]}; then {resumed.strip()[-60:]}"
+    )
     print(f"from node 2's loss to the first step after the restart: {first_step:.1f} s")
+    left = [(p.pid, cmdline(p)[-4:]) for p in alive if p.is_running()]
+    assert not left, f"left behind: {left}"
+    assert first_gone < 60, text[-4000:]
+    failed = re.search(r"the run exited with code (-?\d+)", restart)
+    assert failed and int(failed[1]) != 0, restart
     assert code == 0, text[-4000:]
     assert f"hosts {node2} do not answer ssh: going on with 1" in text
     assert "resuming from step 6 (" in restart or "resuming from step 9 (" in restart, restart

@@ -5,10 +5,11 @@ last complete checkpoint intact. Each test prints how long the stop took, from t
 process of the run gone. (SIGTERM to the ``deepspeed`` command itself ends test_straggler_runs's slowed
 run: the ranks save the step in flight there.)
 
-The signalled runs go through the real launcher (launched/fault_runs.py: 2 ranks, tiny model, fp32 on CPU,
-2 loader workers a rank, which ignore the signals: the step in flight finishes). The uninterrupted run
-they are compared with (launched/conftest.py) and the resumed run come from the rank pool: their launcher
-is not under test.
+The signalled runs are launched/fault_runs.py's (2 ranks, tiny model, fp32 on CPU, 2 loader workers a
+rank, which ignore the signals: the step in flight finishes). The SIGTERM to one rank goes through the real
+launcher: launch.py passes the ranks' 75 on. The other signalled runs, the uninterrupted run they are
+compared with (launched/conftest.py) and the resumed run come from the rank pool, whose supervisor does
+launch.py's part: their launcher is not under test.
 """
 
 import signal
@@ -18,7 +19,7 @@ import psutil
 import pytest
 import torch
 from fault_runs import MODULE, SIGNAL_AFTER, STEPS, fault_args, last_complete, step_log
-from launching import Launch, all_gone, run_ranks
+from launching import Launch, all_gone, run_ranks, wait_for_step
 
 from eva_fastclip.checkpointing import checkpoint
 from eva_fastclip.export import consolidated_state_dict
@@ -66,20 +67,20 @@ def test_sigterm_to_one_rank_saves_that_step_and_resumes_exactly(
         torch.testing.assert_close(torch.load(other)["values"], torch.load(path)["values"], rtol=1e-6, atol=0)
 
 
-def test_the_preempt_signal_to_every_rank(toy_data, tmp_path):
+def test_the_preempt_signal_to_every_rank(toy_data, rank_pool, tmp_path):
     """train.preempt_signal=SIGUSR1 (SLURM's --signal=USR1@...) to both ranks: the same stop, exit 75. The
     run also saves every 0.3 s (train.save_every_minutes): rank 0's clock decides, and both ranks save at
     the same steps (a save is a collective: ranks that disagreed would wait for each other for good)."""
     out = tmp_path / "run"
     sets = ["train.preempt_signal=SIGUSR1", "train.save_every_minutes=0.005", "train.keep_checkpoints=100"]
-    run = Launch(2, [*MODULE, *fault_args(toy_data, out, *sets)], tmp_path / "usr1.log")
+    run = rank_pool.launch(2, [*MODULE, *fault_args(toy_data, out, *sets)], tmp_path / "usr1.log")
     try:
-        run.wait_for_step(SIGNAL_AFTER)
+        wait_for_step(out, SIGNAL_AFTER, alive=lambda: run.poll() is None, log=run.log)
         processes = run.processes()
         signalled = time.monotonic()
-        for local_rank in (0, 1):
-            run.rank(local_rank).send_signal(signal.SIGUSR1)
-        code = run.wait()
+        for rank in (0, 1):
+            run.rank(rank).send_signal(signal.SIGUSR1)
+        code = run.wait(120)
         gone = all_gone(processes, timeout=30) + time.monotonic() - signalled
     finally:
         run.kill()
@@ -89,16 +90,15 @@ def test_the_preempt_signal_to_every_rank(toy_data, tmp_path):
     assert len(checkpoint.complete_checkpoints(out / "checkpoints")) > 2  # saved by time before the stop
 
 
-def test_a_second_signal_stops_at_once_with_the_last_checkpoint_intact(toy_data, tmp_path):
+def test_a_second_signal_stops_at_once_with_the_last_checkpoint_intact(toy_data, rank_pool, tmp_path):
     """Rank 1 stopped (SIGSTOP), so rank 0 cannot reach the step boundary: SIGTERM asks rank 0 to stop,
     and a second SIGTERM 3 s later ends it at once although it waits inside a collective; the last
     complete checkpoint (scheduled, step 4) stays the one to resume."""
     out = tmp_path / "run"
-    run = Launch(
-        2, [*MODULE, *fault_args(toy_data, out, "train.save_every_steps=4")], tmp_path / "second.log"
-    )
+    args = fault_args(toy_data, out, "train.save_every_steps=4")
+    run = rank_pool.launch(2, [*MODULE, *args], tmp_path / "second.log")
     try:
-        run.wait_for_step(6)
+        wait_for_step(out, 6, alive=lambda: run.poll() is None, log=run.log)
         processes = run.processes()
         rank0, rank1 = run.rank(0), run.rank(1)
         rank1.suspend()
@@ -109,11 +109,11 @@ def test_a_second_signal_stops_at_once_with_the_last_checkpoint_intact(toy_data,
             assert rank0.is_running() and rank0.status() != psutil.STATUS_ZOMBIE  # the first one waits
             signalled = time.monotonic()
             rank0.send_signal(signal.SIGTERM)
-            rank0.wait(timeout=10)  # (not its child: no exit code here; launch.py passes it on)
+            rank0.wait(timeout=10)  # (not its child: no exit code here; the supervisor passes it on)
             print(f"second SIGTERM: rank 0 gone {time.monotonic() - signalled:.2f} s after it")
         finally:
             rank1.resume()
-        assert run.wait() == PREEMPTED_EXIT_CODE, run.output()[-4000:]
+        assert run.wait(120) == PREEMPTED_EXIT_CODE, run.output()[-4000:]
         all_gone(processes, timeout=60)
     finally:
         run.kill()

@@ -56,7 +56,8 @@ def test_tune_on_two_ranks_fits_a_limit_between_two_measured_peaks_and_trains(to
     """The issue's command, then again with a limit between the peaks its first run measured for the two
     largest micro-batches, then 2 training steps of that tuned config: one launch of 2 ranks from the rank
     pool (tests/launched_tune.py). No hang watchdog: none is under test here."""
-    overrides = toy_overrides(toy, tmp_path / "run", global_batch=128)  # the issue's command
+    # the issue's command, at a global batch of 64 (2 x 32) rather than 128: probes of half the work
+    overrides = toy_overrides(toy, tmp_path / "run", global_batch=64)
     overrides.append("train.hang_timeout_s=0")
     config_args = ["--config", "configs/toy.json", *[a for o in overrides for a in ("--set", o)]]
     program = ["tests/launched_tune.py", str(tmp_path), *config_args]
@@ -74,7 +75,7 @@ def test_tune_on_two_ranks_fits_a_limit_between_two_measured_peaks_and_trains(to
         key=lambda r: -r["micro_batch"],
     )
     largest, next_one = measured[0], measured[1]
-    assert (largest["micro_batch"], next_one["micro_batch"]) == (64, 32)
+    assert (largest["micro_batch"], next_one["micro_batch"]) == (32, 16)
     assert largest["peak_gib"] > next_one["peak_gib"]
     assert json.loads(first.read_text())["tuned"]["why"]["data.workers"].startswith("1:")
 
@@ -87,13 +88,13 @@ def test_tune_on_two_ranks_fits_a_limit_between_two_measured_peaks_and_trains(to
     same_as_largest = [
         r for r in payload["trials"]
         if (r["micro_batch"], r["zero_stage"], r["grad_checkpointing"], r["contrastive_mode"])
-        == (64, 0, False, "micro")
+        == (32, 0, False, "micro")
     ]  # fmt: skip
     assert same_as_largest[0]["verdict"] in ("over_limit", "oom")
     assert "chosen:" in out and f"memory limit {limit:.3g} GiB" in out
 
     tuned = load_config(second)
-    assert tuned.train.global_batch == 128 and tuned.train.max_micro_batch == chosen[0]["micro_batch"]
+    assert tuned.train.global_batch == 64 and tuned.train.max_micro_batch == chosen[0]["micro_batch"]
     trained = tmp_path / "trained"
     assert (trained / "checkpoints" / "step_00000002").is_dir()
     steps = [json.loads(line) for line in (trained / "train_log.jsonl").read_text().splitlines()]
