@@ -75,6 +75,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown where it is not installed
 def pytest_xdist_make_scheduler(config, log):
     """Under pytest-xdist (``make test``: ``-n 2``), two streams, a worker each: one runs the launched tests
     one after another (their ranks take both cores in turns), the other the in-process tests beside it.
