@@ -46,7 +46,6 @@ def hanging_args(data, tmp_path, *extra) -> list[str]:
     return [*MODULE, *fault_args(data, tmp_path / "run", *sets)]
 
 
-@pytest.mark.launcher
 def test_a_stopped_rank_is_named_and_the_run_ends(toy_data, rank_pool, tmp_path):
     """SIGSTOP to rank 1 (a wedged GPU, a stuck file system): rank 0 waits in a collective, its watchdog
     names rank 1 (no heartbeat) and exits 124; the supervisor ends rank 1 (SIGTERM, then SIGKILL after

@@ -25,9 +25,8 @@ from eva_fastclip.checkpointing import checkpoint
 from eva_fastclip.export import consolidated_state_dict
 from eva_fastclip.reliability.preemption import PREEMPTED_EXIT_CODE
 
-pytestmark = pytest.mark.launcher
 
-
+@pytest.mark.launcher
 def test_sigterm_to_one_rank_saves_that_step_and_resumes_exactly(
     toy_data, uninterrupted, rank_pool, tmp_path
 ):
