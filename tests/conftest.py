@@ -5,11 +5,19 @@ Stand-in loaders, the toy config and its Trainer are in tests/stand_ins.py; laun
 """
 
 import os
+import sys
 
 # nothing may reach the hub; set before anything imports huggingface_hub (which reads it once), and the
 # same for every launched rank and the rank pool's server
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# this venv's bin first on PATH, as `make test` and every real launch (launching.launcher_env) have it,
+# for in-process ranks and the rank pool's too: DeepSpeed JIT-builds its CPU comm op with the first ninja
+# on PATH, and the system's (another version, another hash of the same command) rebuilt it, ~45 s, at
+# every switch between a rank of one PATH and a rank of the other
+_BIN = os.path.dirname(sys.executable)
+if os.environ.get("PATH", "").split(os.pathsep)[0] != _BIN:
+    os.environ["PATH"] = os.pathsep.join([_BIN, os.environ.get("PATH", "")])
 
 import pytest  # noqa: E402
 from launching import REPO, launcher_env  # noqa: E402
@@ -67,6 +75,11 @@ SLOW = {
 }
 
 
+#: modules of tests/launched/ that start no ranks, only a process at a time beside pytest's (a clean Python,
+#: a CPU burner): ``make test`` runs them in the in-process stream, off the launched stream's long path
+ONE_PROCESS_AT_A_TIME = {"tests/launched/test_export_isolated.py", "tests/launched/test_bench_data.py"}
+
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     import torch
 
@@ -85,7 +98,9 @@ def pytest_xdist_make_scheduler(config, log):
 
     class TwoStreams(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "launched" if nodeid.startswith("tests/launched/") else "in_process"
+            module = nodeid.split("::", 1)[0]
+            launches = module.startswith("tests/launched/") and module not in ONE_PROCESS_AT_A_TIME
+            return "launched" if launches else "in_process"
 
     return TwoStreams(config, log)
 

@@ -47,8 +47,19 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-#: what the server imports before it forks anything
-PRELOAD = ("torch", "deepspeed", "open_clip", "eva_fastclip.cli", "eva_fastclip.engine.trainer")
+#: what the server imports before it forks anything: the program's imports, and those a rank would
+#: make later, each time: DeepSpeed's ZeRO optimizer check (its Muon optimizer: torch._inductor), the
+#: C++ extension loader its comm op builds with, the TensorBoard writer (~2.5 s of CPU a rank here)
+PRELOAD = (
+    "torch",
+    "deepspeed",
+    "open_clip",
+    "eva_fastclip.cli",
+    "eva_fastclip.engine.trainer",
+    "deepspeed.runtime.zero.muon.muon_optimizer",
+    "torch.utils.cpp_extension",
+    "torch.utils.tensorboard",
+)
 #: read once, when the server starts or imports (Python; huggingface_hub's constants; OpenMP and MKL as torch
 #: loads; DeepSpeed's accelerator): a launch cannot change them, so it refuses to
 STARTUP_ENV = ("PYTHONHASHSEED", "PYTHONPATH", "HF_", "TRANSFORMERS_", "OMP_", "MKL_", "KMP_", "DS_ACCEL")
