@@ -5,22 +5,20 @@ Stand-in loaders, the toy config and its Trainer are in tests/stand_ins.py; laun
 """
 
 import os
-import sys
 
 # nothing may reach the hub; set before anything imports huggingface_hub (which reads it once), and the
 # same for every launched rank and the rank pool's server
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# this venv's bin first on PATH, as `make test` and every real launch (launching.launcher_env) have it,
-# for in-process ranks and the rank pool's too: DeepSpeed JIT-builds its CPU comm op with the first ninja
-# on PATH, and the system's (another version, another hash of the same command) rebuilt it, ~45 s, at
-# every switch between a rank of one PATH and a rank of the other
-_BIN = os.path.dirname(sys.executable)
-if os.environ.get("PATH", "").split(os.pathsep)[0] != _BIN:
-    os.environ["PATH"] = os.pathsep.join([_BIN, os.environ.get("PATH", "")])
 
 import pytest  # noqa: E402
-from launching import REPO, launcher_env  # noqa: E402
+from launching import REPO, launcher_env, venv_bin_first  # noqa: E402
+
+# this venv's bin first on PATH for the whole session, as `make test` and every real launch have it: for
+# in-process ranks and the rank pool's too. With the system's ninja first (another version, another hash
+# of the same command) DeepSpeed rebuilt its CPU comm op, ~45 s, at every switch between a rank of one
+# PATH and a rank of the other
+os.environ["PATH"] = venv_bin_first(os.environ.get("PATH", ""))
 
 
 @pytest.fixture(scope="session")

@@ -34,10 +34,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def venv_bin_first(path: str) -> str:
+    """``path`` with this venv's bin first (its launcher, and its ninja: DeepSpeed JIT-builds its CPU comm
+    op with the first ninja on PATH, and another ninja's hash of the same command rebuilds it)."""
+    bin_dir = str(Path(sys.executable).parent)
+    return path if path.split(os.pathsep)[0] == bin_dir else os.pathsep.join([bin_dir, path])
+
+
 def launcher_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """This venv's launcher and ninja first on PATH (DeepSpeed builds its CPU comm op with it)."""
-    bin_dir = Path(sys.executable).parent
-    path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+    """This process's environment, this venv's bin first on PATH, unbuffered output, ``extra`` on top."""
+    path = venv_bin_first(os.environ.get("PATH", ""))
     return {**os.environ, "PATH": path, "PYTHONUNBUFFERED": "1", **(extra or {})}
 
 

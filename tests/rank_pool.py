@@ -49,7 +49,7 @@ from pathlib import Path
 
 #: what the server imports before it forks anything: the program's imports, and those a rank would
 #: make later, each time: DeepSpeed's ZeRO optimizer check (its Muon optimizer: torch._inductor), the
-#: C++ extension loader its comm op builds with, the TensorBoard writer (~2.5 s of CPU a rank here)
+#: C++ extension loader its comm op builds with, the TensorBoard writer (~2 s of imports a rank here)
 PRELOAD = (
     "torch",
     "deepspeed",
