@@ -8,6 +8,7 @@ ending the other ranks is part of what is tested there. The stopped rank's comes
 supervisor does launch.py's part (SIGTERM to the other ranks' trees, SIGKILL 30 s later).
 """
 
+import re
 import signal
 import subprocess
 import sys
@@ -36,7 +37,9 @@ def test_a_phase_that_outlasts_its_allowance_ends_the_process():
     took = time.monotonic() - started
     print(f"the watchdog ended the process {took:.1f} s after it started (allowance 1 s)")
     assert result.returncode == HANG_EXIT_CODE
-    assert "no progress for 1 s in phase 'loader' at step 4 (allowance 1 s)" in result.stderr
+    # the watchdog polls: on a loaded machine it may see the stall a second late, never early
+    fired = re.search(r"no progress for (\d+) s in phase 'loader' at step 4 \(allowance 1 s\)", result.stderr)
+    assert fired and int(fired.group(1)) >= 1, result.stderr
     assert 'File "<string>", line 5 in <module>' in result.stderr  # the main thread's stack: the sleep
     assert took < 10
 
