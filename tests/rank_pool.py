@@ -27,7 +27,8 @@ no launcher log lines; the ranks write to one file (O_APPEND), not to the caller
 is a child subreaper: what a rank leaves behind becomes its child; it waits 5 s for those, SIGKILLs the
 rest and names them in ``group.leftovers``. ``group.cpu_s``: CPU time of the whole group (ranks, loader
 fork servers and workers, guardians). Each rank's loader fork server is forked from the rank as it starts
-(with the server's imports, not a new interpreter's), and is there whether or not the rank starts workers.
+(eva_fastclip's ``fork_worker_server``, as its train command forks it; here for every program the rank
+runs), and is there whether or not the rank starts workers.
 """
 
 from __future__ import annotations
@@ -401,39 +402,10 @@ def _rank(request: dict, rank: int, log: int) -> tuple[str | None, str]:
         sys.modules["numpy"].random.seed()
     if "torch" in sys.modules:
         sys.modules["torch"].seed()
-    _fork_loader_server()
+    from eva_fastclip.data.workers import fork_worker_server
+
+    fork_worker_server()  # forked from this single-threaded rank, as the rank's train command does
     return module, script
-
-
-def _fork_loader_server() -> None:
-    """The rank's loader fork server (eva_fastclip/data/workers.py), forked now instead of started as a new
-    interpreter when the rank first asks for it: it has the server's imports, its preload's but one, and
-    none of the seconds they cost each rank. Now: the rank is single-threaded and has run no torch op (no
-    OpenMP pool to break by a fork), and the fork server dies with this, the rank's main thread, as the
-    rank's own would. multiprocessing then finds it running and starts no other."""
-    from multiprocessing import forkserver
-
-    from eva_fastclip.data.workers import FORK_SERVER_PRELOAD
-
-    server = forkserver._forkserver
-    listener = socket.socket(socket.AF_UNIX)
-    address = forkserver.connection.arbitrary_address("AF_UNIX")
-    listener.bind(address)
-    os.chmod(address, 0o600)
-    listener.listen()
-    alive_r, alive_w = os.pipe()  # every client holds the write end; the server ends once all have gone
-    pid = os.fork()
-    if pid == 0:
-        keep = sorted({0, 1, 2, listener.fileno(), alive_r})
-        for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")]):
-            os.closerange(low + 1, high)
-        try:
-            forkserver.main(listener.fileno(), alive_r, list(FORK_SERVER_PRELOAD))
-        finally:
-            os._exit(0)
-    listener.close()
-    os.close(alive_r)
-    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
 
 
 if __name__ == "__main__":

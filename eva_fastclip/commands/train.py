@@ -62,11 +62,14 @@ def dry_run(cfg, ds: dict, world_size: int, resume: str | None) -> int:
 
 def train(cfg, ds: dict, resume: str | None) -> int:
     from eva_fastclip.checkpointing.checkpoint import CheckpointWriteError
+    from eva_fastclip.data.workers import fork_worker_server
     from eva_fastclip.engine.build import build_trainer
     from eva_fastclip.reliability.bad_steps import NonFiniteSteps
     from eva_fastclip.reliability.preemption import PREEMPTED_EXIT_CODE, Preempted, outlive_closed_output
     from eva_fastclip.reliability.watchdog import Watchdog
 
+    if cfg.data.workers or cfg.eval.workers:
+        fork_worker_server()  # now, while this rank has one thread: forked from it (data/workers.py)
     outlive_closed_output()  # a stop on several nodes closes the output first (reliability/preemption.py)
     try:
         with Watchdog.for_run(cfg.train) as dog:

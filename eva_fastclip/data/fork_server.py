@@ -5,6 +5,7 @@ rank that started it, however that ends; its workers die with it in turn (``igno
 must not import this module: it would ignore a stop and die with its launcher instead of saving
 (reliability/preemption.py)."""
 
-from eva_fastclip.reliability.signals import ignore_stop_signals
+from eva_fastclip.reliability.signals import ignore_stop_signals, name_process
 
 ignore_stop_signals()
+name_process("loader-server")  # in ps and top: a server forked from its rank shows the rank's command

@@ -19,8 +19,13 @@ from __future__ import annotations
 
 import atexit
 import functools
+import importlib
 import multiprocessing
+import os
 import signal
+import socket
+import sys
+import threading
 
 #: what the fork server imports before it forks a worker
 FORK_SERVER_PRELOAD = (
@@ -44,13 +49,59 @@ def worker_context() -> multiprocessing.context.BaseContext:
 
 
 def start_worker_server() -> None:
-    """Start the fork server now: its imports (seconds) then overlap the rank's own start-up (model,
-    engine) instead of delaying the first batch. Call it from the rank's main thread: the server dies
-    when the thread that started it ends (PR_SET_PDEATHSIG follows the thread, not the process)."""
+    """Start the fork server now, as a new interpreter that imports the preload: its start-up then overlaps
+    the rank's own (model, engine) instead of delaying the first batch. Call it from the rank's main
+    thread: the server dies when the thread that started it ends (PR_SET_PDEATHSIG follows the thread,
+    not the process)."""
     from multiprocessing import forkserver
 
     worker_context()
     forkserver.ensure_running()
+
+
+def fork_worker_server() -> None:
+    """At a rank's start, while it runs one thread (before its watchdog and process group) and has not
+    touched CUDA: the fork server forked from the rank, as ``ForkServer.ensure_running`` would have
+    started a new one. It then has the rank's imports and pays none of its own (~10 s a rank here: torch,
+    open_clip), and the first batch does not wait for them. Where that is not safe, or CPython's fork
+    server differs (3.13 adds a key to its protocol), :func:`start_worker_server`."""
+    from multiprocessing import forkserver
+
+    import torch
+
+    worker_context()
+    server = forkserver._forkserver
+    attributes = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
+    if (
+        sys.version_info[:2] > (3, 12)
+        or not sys.platform.startswith("linux")
+        or threading.active_count() > 1  # a helper thread could hold a lock the forked server needs
+        or torch.cuda.is_initialized()
+        or not all(hasattr(server, name) for name in attributes)
+        or server._forkserver_pid is not None
+    ):
+        start_worker_server()
+        return
+    for module in FORK_SERVER_PRELOAD[1:]:  # the rank's own imports: in the server before the fork
+        importlib.import_module(module)
+    listener = socket.socket(socket.AF_UNIX)
+    address = forkserver.connection.arbitrary_address("AF_UNIX")
+    listener.bind(address)
+    os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()  # every client holds the write end; the server ends once all have gone
+    pid = os.fork()
+    if pid == 0:
+        keep = sorted({0, 1, 2, listener.fileno(), alive_r})  # clients send the resource tracker's fd
+        for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")]):
+            os.closerange(low + 1, high)
+        try:  # the preload's first module makes it ignore stop signals and die with this process
+            forkserver.main(listener.fileno(), alive_r, list(FORK_SERVER_PRELOAD))
+        finally:
+            os._exit(0)
+    listener.close()
+    os.close(alive_r)
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
 
 
 @functools.cache

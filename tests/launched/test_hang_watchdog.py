@@ -18,6 +18,7 @@ import pytest
 from fault_runs import MODULE, fault_args
 from launching import Launch, all_gone, wait_for_step
 
+from eva_fastclip.reliability.guardian import PROCESS_NAME
 from eva_fastclip.reliability.watchdog import HANG_EXIT_CODE
 
 TIMEOUT = 8
@@ -85,8 +86,9 @@ def test_a_stalled_loader_worker_is_named_and_the_run_ends(toy_data, tmp_path):
         run.wait_for_step(5)
         processes = run.processes()
         rank0 = run.rank(0)
-        # its fork server's children (data/workers.py)
-        workers = [worker for child in rank0.children() for worker in child.children()]
+        # its fork server's children (data/workers.py) but its guardian (reliability/guardian.py)
+        forked = [process for child in rank0.children() for process in child.children()]
+        workers = [worker for worker in forked if worker.name() != PROCESS_NAME]
         assert workers, "rank 0 has no loader workers"
         stopped = time.monotonic()
         for worker in workers:
