@@ -221,6 +221,11 @@ class FaultRun:
         (launch,) = [p for p in launches if f"--node_rank={node_rank}" in p.cmdline()]
         return [launch, *launch.children(recursive=True)]
 
+    def rank(self, node_rank: int) -> psutil.Process:
+        """Node ``node_rank``'s only rank: its launch.py's child (its fork server has the same command)."""
+        (rank,) = self.node(node_rank)[0].children()
+        return rank
+
     def wait(self, timeout: float) -> int:
         try:
             return self.proc.wait(timeout=timeout)
@@ -235,7 +240,7 @@ class FaultRun:
         (waiting up to 60 s from the signal), and those still alive."""
         self.wait_for_step(7)
         processes = node_processes(self.config)
-        (rank,) = [p for p in self.node(1) if "--local_rank=0" in p.cmdline()]
+        rank = self.rank(1)
         sent = time.monotonic()
         send(rank)
         code = self.wait(timeout=300)
@@ -393,7 +398,7 @@ def test_a_killed_rank_ends_the_run_on_both_and_a_lost_node_is_left_out_on_resta
     run.wait_for_step(7)
     node2 = HOSTS[1]
     first_launch = node_processes(run.config)
-    (rank,) = [p for p in run.node(1) if "--local_rank=0" in p.cmdline()]
+    rank = run.rank(1)
     step_log = run.out / "train_log.jsonl"
     before = step_log.stat().st_ino  # the resumed run rewrites the log without the steps it trains again
     lost = time.monotonic()
