@@ -1,17 +1,15 @@
 """launchers/single_node.sh hands DeepSpeed's launcher the GPUs the job was given: the launcher drops
 CUDA_VISIBLE_DEVICES once --num_gpus is passed and takes GPUs 0..N-1, another job's on a shared node.
 Run against stand-ins for ``deepspeed`` and ``nvidia-smi`` that record what they were called with; and
-the real launcher on a port in use."""
+ranks on a port in use."""
 
 import os
 import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
-from launching import REPO, launcher_env, train_args
+from launching import REPO, train_args
 
 SCRIPT = REPO / "launchers" / "single_node.sh"
 
@@ -117,11 +115,11 @@ def test_the_launchers_refuse_a_bad_max_restarts():
     assert "MAX_RESTARTS=two and MIN_NODES=1 must be whole numbers" in result.stderr
 
 
-@pytest.mark.launcher
-def test_the_launcher_on_a_port_in_use_says_so_in_one_line(tmp_path, toy_data):
-    """``deepspeed --master_port`` of a port another process listens on: rank 0 cannot listen there and
-    stops with one line naming MASTER_PORT (exit 2), not PyTorch's EADDRINUSE trace; the launch ends."""
-    deepspeed = str(Path(sys.executable).parent / "deepspeed")
+def test_a_rank_on_a_port_in_use_says_so_in_one_line(tmp_path, toy_data, rank_pool):
+    """MASTER_PORT a port another process listens on: rank 0 cannot listen there and stops with one line
+    naming MASTER_PORT (exit 2), not PyTorch's EADDRINUSE trace; the launch ends. The ranks come from the
+    rank pool (its supervisor ends the other rank, as launch.py does): what is under test is the rank's
+    process set-up (reliability/process.py), which reads the port from the environment either way."""
     args = train_args(
         f'data.train_shards=["{toy_data / "train"}"]',
         "model.name=test-vit-xs",
@@ -135,12 +133,13 @@ def test_the_launcher_on_a_port_in_use_says_so_in_one_line(tmp_path, toy_data):
         taken.listen()
         port = taken.getsockname()[1]
         started = time.monotonic()
-        result = subprocess.run(
-            [deepspeed, "--num_gpus", "2", "--master_port", str(port), "--module", "eva_fastclip", *args],
-            cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-    output = result.stdout + result.stderr
-    assert result.returncode != 0, output[-3000:]
+        group = rank_pool.launch(2, ["--module", "eva_fastclip", *args], tmp_path / "ranks.log", port=port)
+        try:
+            code = group.wait(300)
+        finally:
+            group.kill()
+    output = group.output()
+    assert code != 0, output[-3000:]
     assert f"eva-fastclip train: error: MASTER_PORT={port} is in use on " in output, output[-3000:]
     assert "Traceback" not in output and "EADDRINUSE" not in output, output[-3000:]
     print(f"the launch ended {time.monotonic() - started:.1f} s after it started")
