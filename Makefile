@@ -7,13 +7,13 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 .PHONY: demo test test-fast lint clean
 
+# the last step builds DeepSpeed's CPU comm op now (~1 min on 2 cores) rather than in the first launch, whose
+# ranks would both wait on torch's build lock; a GPU build of DeepSpeed has none to build
 $(VENV)/.installed: setup.cfg pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
 	$(PY) -m pip install -q -e '.[dev]'
-	# DeepSpeed's CPU comm op, built now (~1 min on 2 cores) rather than by the first launch's ranks, both
-	# waiting on torch's build lock; elsewhere (a GPU build) there is none to build
 	$(PY) -c "from deepspeed.accelerator import get_accelerator as a; b = a().create_op_builder('ShareMemCommBuilder'); b is None or not b.is_compatible() or b.load()"
 	touch $@
 
