@@ -30,8 +30,12 @@ class ModelBundle:
     image_shape: tuple[int, int, int]  # (channels, height, width) of the vision tower's input
 
 
-def create_model(cfg: ModelConfig, *, temperature_init: float = 0.07) -> ModelBundle:
-    """The open_clip model ``cfg.name`` with patch dropout, checkpointing and a 1-element logit_scale."""
+def create_model(
+    cfg: ModelConfig, *, temperature_init: float = 0.07, device: str | torch.device = "cpu"
+) -> ModelBundle:
+    """The open_clip model ``cfg.name`` with patch dropout, checkpointing and a 1-element logit_scale.
+    ``device="meta"`` (inside ``with torch.device("meta")``): its shapes only, no weights allocated or
+    initialised (tune's trace; no checkpoint may be named then)."""
     if cfg.name not in open_clip.list_models():
         raise ValueError(
             f"model.name={cfg.name!r} is not an open_clip architecture; known names include "
@@ -40,13 +44,14 @@ def create_model(cfg: ModelConfig, *, temperature_init: float = 0.07) -> ModelBu
     text_kwargs = {}
     if cfg.text_hf_model is not None:  # the folder's encoder replaces the text tower
         text_kwargs = text_towers.hf_text_model_kwargs(  # a full CLIP checkpoint brings its own weights
-            cfg.name, cfg.text_hf_model, load_weights=cfg.pretrained is None
+            cfg.name, cfg.text_hf_model, load_weights=cfg.pretrained is None and str(device) != "meta"
         )
     model, preprocess_train, preprocess_eval = open_clip.create_model_and_transforms(
         cfg.name,
         pretrained=cfg.pretrained,  # a local file or None (checked by ModelConfig): never a download tag
         force_patch_dropout=cfg.patch_dropout,
         pretrained_text=False,  # HF text towers would otherwise fetch weights from the hub
+        device=device,
         **text_kwargs,
     )
     if cfg.vision_checkpoint is not None:  # EVA MIM weights into the timm trunk; raises on any backbone gap

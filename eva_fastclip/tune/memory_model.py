@@ -176,40 +176,15 @@ def trace_activations(
     model's facts (parameters, trainable, largest tensor, embed_dim, image shape, context length)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from eva_fastclip.models import create_model
-    from eva_fastclip.models.kernels import configure_kernels
+    from eva_fastclip.models.text_towers import set_text_grad_checkpointing
 
+    fake = FakeTensorMode()
+    model, facts = _fake_model(cfg, dtype, fake)
+    shape, context = facts["image_shape"], facts["context_length"]
     out: dict[bool, tuple[float, float]] = {}
-    facts: dict[str, Any] = {}
     for checkpointing in (False, True):
-        # the weights' values change no shape: the trace never reads the checkpoints
-        model_cfg = dataclasses.replace(
-            cfg.model,
-            grad_checkpointing=checkpointing,
-            pretrained=None,
-            vision_checkpoint=None,
-            text_checkpoint=None,
-            text_checkpoint_skip=[],
-        )
-        bundle = create_model(model_cfg, temperature_init=cfg.loss.temperature_init)
-        model = bundle.model
-        configure_kernels(model, torch.device("cpu"))
-        model.to(dtype=dtype).train()
-        params = list(model.parameters())
-        trainable = sum(p.numel() for p in params if p.requires_grad)
-        facts = {
-            "parameters": sum(p.numel() for p in params),
-            "trainable": trainable,
-            "largest_tensor": max((p.numel() for p in params if p.requires_grad), default=0),
-            "embed_dim": bundle.embed_dim,
-            "image_shape": bundle.image_shape,
-            "context_length": _context_length(model),
-        }
-        fake = FakeTensorMode()
-        _to_fake(model, fake)
-        del params
-        gc.collect()
-        shape, context = bundle.image_shape, facts["context_length"]
+        model.set_grad_checkpointing(checkpointing)  # as create_model sets it
+        set_text_grad_checkpointing(model, checkpointing)
         saved, peak = _measure(model, fake, 2, shape, context, dtype)
         saved_per_sample = saved / 2
         # where the activations outweigh twice the backward's own transients (a tensor's gradient made
@@ -221,23 +196,61 @@ def trace_activations(
         # the line through the larger point: what a forward keeps grows exactly with the batch
         slope = max(saved_per_sample, (p2 - p1) / (b2 - b1))
         out[checkpointing] = (slope, max(0.0, p2 - slope * b2))
-        del model, bundle
-        gc.collect()
+    del model
+    gc.collect()
     return out, facts
 
 
+def _fake_model(cfg: ExperimentConfig, dtype: torch.dtype, fake) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The bare model in ``dtype``, train mode, its parameters and buffers fake CPU tensors, and its facts.
+    Built on the meta device: no weights allocated or initialised (seconds and gigabytes for a large
+    model), and none read (the checkpoints' values change no shape)."""
+    from eva_fastclip.models import create_model
+    from eva_fastclip.models.kernels import configure_kernels
+
+    model_cfg = dataclasses.replace(
+        cfg.model,
+        grad_checkpointing=False,
+        pretrained=None,
+        vision_checkpoint=None,
+        text_checkpoint=None,
+        text_checkpoint_skip=[],
+    )
+    with torch.device("meta"):
+        bundle = create_model(model_cfg, temperature_init=cfg.loss.temperature_init, device="meta")
+    model = bundle.model
+    configure_kernels(model, torch.device("cpu"))
+    model.to(dtype=dtype).train()
+    params = list(model.parameters())
+    facts = {
+        "parameters": sum(p.numel() for p in params),
+        "trainable": sum(p.numel() for p in params if p.requires_grad),
+        "largest_tensor": max((p.numel() for p in params if p.requires_grad), default=0),
+        "embed_dim": bundle.embed_dim,
+        "image_shape": bundle.image_shape,
+        "context_length": _context_length(model),
+    }
+    _to_fake(model, fake)
+    return model, facts
+
+
 def _to_fake(model: torch.nn.Module, fake) -> None:
-    """Replace the model's parameters and buffers by fake tensors of the same shapes (in place: a
+    """Replace the model's meta parameters and buffers by fake CPU tensors of the same shapes (in place: a
     checkpointed block recomputes with the module's own parameters in the backward)."""
+    cpu = torch.device("cpu")
+
+    def to_fake(t: torch.Tensor) -> torch.Tensor:
+        return fake.fake_tensor_converter.from_meta_and_device(fake, t, cpu)
+
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is not None:
                 module._parameters[name] = torch.nn.Parameter(
-                    fake.from_tensor(param.detach()), requires_grad=param.requires_grad
+                    to_fake(param.detach()), requires_grad=param.requires_grad
                 )
         for name, buffer in list(module._buffers.items()):
             if buffer is not None:
-                module._buffers[name] = fake.from_tensor(buffer)
+                module._buffers[name] = to_fake(buffer)
 
 
 def _context_length(model: torch.nn.Module) -> int:

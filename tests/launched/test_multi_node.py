@@ -258,7 +258,9 @@ def test_a_stopped_rank_on_the_second_node_ends_the_run_on_both(ssh, tmp_path):
     """SIGSTOP to node 2's rank, its node's only one: rank 0's watchdog ends the hang and marks the run
     aborted, node 2's guardian SIGKILLs the stopped rank, and every launcher exits (before the guardians,
     node 2's launch.py waited for its stopped rank for good)."""
-    run = FaultRun(ssh, tmp_path, steps=5000, train={"hang_timeout_s": 8})
+    # a loaded machine may let the run reach a scheduled save (every 3 steps) before the stop lands: the
+    # long allowance of a save then applies, 90 s here rather than the default's minutes
+    run = FaultRun(ssh, tmp_path, steps=5000, train={"hang_timeout_s": 8, "hang_timeout_long_s": 90})
     code, runner_done, all_done, alive = run.signal_node2_rank(psutil.Process.suspend)
     text = run.log.read_text()
     print(
