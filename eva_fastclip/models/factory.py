@@ -63,8 +63,7 @@ def create_model(
         text_towers.load_text_checkpoint(model, cfg.text_checkpoint, skip=cfg.text_checkpoint_skip)
     make_logit_scale_1d(model)
     key_patch_dropout(model)  # a sample's mask from its key inside keyed_masks (the trainer's steps)
-    model.set_grad_checkpointing(cfg.grad_checkpointing)
-    text_towers.set_text_grad_checkpointing(model, cfg.grad_checkpointing)
+    set_grad_checkpointing(model, cfg.grad_checkpointing)
     if cfg.lock_text:
         # a Hugging Face tower's projection is new unless a whole CLIP checkpoint brought it
         text_towers.lock_text_tower(model, new_hf_head=cfg.pretrained is None)
@@ -76,6 +75,13 @@ def create_model(
     height, width = (size, size) if isinstance(size, int) else tuple(size)
     embed_dim = open_clip.get_model_config(cfg.name)["embed_dim"]
     return ModelBundle(model, preprocess_train, preprocess_eval, tokenizer, embed_dim, (3, height, width))
+
+
+def set_grad_checkpointing(model: nn.Module, enable: bool) -> None:
+    """Gradient checkpointing on or off in both towers (open_clip's own switch, and off for a Hugging Face
+    text tower, whose switch only turns it on)."""
+    model.set_grad_checkpointing(enable)
+    text_towers.set_text_grad_checkpointing(model, enable)
 
 
 def make_logit_scale_1d(model: nn.Module) -> None:

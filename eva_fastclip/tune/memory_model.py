@@ -176,15 +176,14 @@ def trace_activations(
     model's facts (parameters, trainable, largest tensor, embed_dim, image shape, context length)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from eva_fastclip.models.text_towers import set_text_grad_checkpointing
+    from eva_fastclip.models.factory import set_grad_checkpointing
 
     fake = FakeTensorMode()
     model, facts = _fake_model(cfg, dtype, fake)
     shape, context = facts["image_shape"], facts["context_length"]
     out: dict[bool, tuple[float, float]] = {}
     for checkpointing in (False, True):
-        model.set_grad_checkpointing(checkpointing)  # as create_model sets it
-        set_text_grad_checkpointing(model, checkpointing)
+        set_grad_checkpointing(model, checkpointing)  # on the one model: as create_model sets it
         saved, peak = _measure(model, fake, 2, shape, context, dtype)
         saved_per_sample = saved / 2
         # where the activations outweigh twice the backward's own transients (a tensor's gradient made
