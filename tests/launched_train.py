@@ -9,9 +9,9 @@ it here.
   it stopped for non-finite steps, the step and the message; rank 0 writes ``FOLDER/saved_STEP.json`` after
   each save: the SHA-256 of every file of the checkpoint, and ``FOLDER/listed_STEP.json``: the names in the
   checkpoints folder then.
-- ``EVA_TEST_LIMIT_FILE_SIZE=BYTES``: after its first save, every rank, and what it starts from then on, may
-  write at most BYTES to a file (RLIMIT_FSIZE, ``ulimit -f``): the kernel refuses a larger write with EFBIG
-  (Python ignores SIGXFSZ), as a full file system refuses it with ENOSPC.
+- ``EVA_TEST_LIMIT_FILE_SIZE=BYTES``: after its first save, every rank (or only rank ``EVA_TEST_LIMIT_RANK``),
+  and what it starts from then on, may write at most BYTES to a file (RLIMIT_FSIZE, ``ulimit -f``): the kernel
+  refuses a larger write with EFBIG (Python ignores SIGXFSZ), as a full file system refuses it with ENOSPC.
 - ``EVA_TEST_DUMP_LOADED=FOLDER``: once the trainer is set up (a resume loaded), every rank writes
   ``FOLDER/rank_K.pt``: its optimizer steps per group and, on rank 0, the full fp32 weights and moments of
   every trained parameter, gathered from the ZeRO partitions by DeepSpeed's own accessors
@@ -128,7 +128,9 @@ if __name__ == "__main__":
     if os.environ.get("EVA_TEST_DUMP_LOADED"):
         dump_loaded(Path(os.environ["EVA_TEST_DUMP_LOADED"]))
     record_stop()
-    if os.environ.get("EVA_TEST_LIMIT_FILE_SIZE"):
+    if os.environ.get("EVA_TEST_LIMIT_FILE_SIZE") and os.environ.get("EVA_TEST_LIMIT_RANK", str(RANK)) == str(
+        RANK
+    ):
         limit_file_size_after_first_save(int(os.environ["EVA_TEST_LIMIT_FILE_SIZE"]))
     if os.environ.get("EVA_TEST_RECORD"):  # its few bytes a save fit under the limit
         record_saves(Path(os.environ["EVA_TEST_RECORD"]))

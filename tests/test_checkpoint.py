@@ -11,20 +11,31 @@ import pytest
 from eva_fastclip.checkpointing import checkpoint
 
 
+class FakeWriter:
+    """DeepSpeed's checkpoint engine: every file and folder of its save goes through it."""
+
+    def save(self, content, path):
+        checkpoint.Path(path).write_bytes(content)
+
+    def makedirs(self, path, exist_ok=False):
+        os.makedirs(path, exist_ok=exist_ok)
+
+
 class FakeEngine:
     """Writes files the way DeepSpeed does; can die after the first one."""
 
     def __init__(self, die=False, content=b"weights"):
         self.die, self.content = die, content
+        self.checkpoint_engine = FakeWriter()
 
     def save_checkpoint(self, save_dir, tag, client_state, save_latest):
         assert save_latest is False  # DeepSpeed's own 'latest' would point at unfinished saves
         folder = checkpoint.Path(save_dir) / tag
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "mp_rank_00_model_states.pt").write_bytes(self.content)
+        self.checkpoint_engine.makedirs(folder, exist_ok=True)
+        self.checkpoint_engine.save(self.content, folder / "mp_rank_00_model_states.pt")
         if self.die:
             raise KeyboardInterrupt("killed while writing the optimizer shards")
-        (folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"optimizer")
+        self.checkpoint_engine.save(b"optimizer", folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
 
 
 def extra(folder):
@@ -76,6 +87,35 @@ def test_every_file_and_folder_is_synced_before_the_marker(tmp_path, monkeypatch
     on_disk = {p.relative_to(final) for p in final.rglob("*") if p.name != checkpoint.MARKER}
     assert on_disk and on_disk | {checkpoint.Path(".")} == before_marker  # every file, every folder
     assert root in synced[marked[0] :]  # the rename into place is synced too
+
+
+class RefusedEngine(FakeEngine):
+    """Its first write is refused by the OS (a folder that does not exist); DeepSpeed's save goes on to its
+    end, where it waits at a barrier for every rank."""
+
+    reached_the_end = False
+
+    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+        folder = checkpoint.Path(save_dir) / tag
+        self.checkpoint_engine.makedirs(folder, exist_ok=True)
+        self.checkpoint_engine.save(b"weights", folder / "absent" / "mp_rank_00_model_states.pt")
+        self.checkpoint_engine.save(b"optimizer", folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        self.reached_the_end = True
+
+
+def test_a_refused_write_fails_the_save_without_leaving_deepspeeds_save_early(tmp_path):
+    root = tmp_path / "checkpoints"
+    first = checkpoint.save_checkpoint(FakeEngine(), root, 1, {}, keep=2)
+    engine = RefusedEngine()
+    with pytest.raises(checkpoint.CheckpointWriteError) as raised:
+        checkpoint.save_checkpoint(engine, root, 2, {}, keep=2, write_extra=extra)
+    message = str(raised.value)
+    assert f"saving {root / 'step_00000002'} failed (rank 0: [Errno 2] No such file or directory" in message
+    assert "; 1 of 1 rank(s) failed); the last complete checkpoint, " in message
+    assert engine.reached_the_end  # every rank reaches DeepSpeed's last barrier
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000001"]  # the staging folder is gone
+    assert checkpoint.resolve_resume("latest", root) == first
+    assert vars(engine.checkpoint_engine) == {}  # DeepSpeed's writer is its own again
 
 
 def test_saving_a_step_again_never_leaves_it_without_a_complete_checkpoint(tmp_path, monkeypatch):

@@ -18,7 +18,8 @@ original stays as it is: it holds every rank's own files, which no other layout 
 A save that fails (no space left, a file too large, any write error of the OS) on any rank fails on every
 rank together: the ranks agree on it before the marker, the staging folder is removed, and every rank
 raises :class:`CheckpointWriteError` naming the folder, the error and the bytes a checkpoint takes beside
-the space left. The previous complete checkpoint and ``latest`` are untouched; the run stops.
+the space left. The previous complete checkpoint and ``latest`` are untouched; the run stops. A write
+DeepSpeed's save makes fails without raising out of it (its save ends with a barrier every rank must reach).
 """
 
 from __future__ import annotations
@@ -156,26 +157,26 @@ def save_checkpoint(
     it is complete on disk."""
     tag = tag_for_step(step)
     final, staging = root / tag, root / (tag + _STAGING)
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = _rank()
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         recover(root)  # also deletes a torn staging folder of this very step
     _barrier()
-    failure = None
-    try:
+    failures: list[str] = []
+    with _writes_recorded(engine, failures):  # DeepSpeed's save runs to its end, collectives and all
         engine.save_checkpoint(str(root), tag=staging.name, client_state=client_state, save_latest=False)
-        if write_extra is not None:
-            write_extra(staging)
-    except (OSError, RuntimeError) as err:  # torch.save reports the OS's write errors as RuntimeError
-        failure = f"rank {rank}: {err}"
-    _raise_if_a_rank_failed(failure, root, staging)  # (a collective: every rank's files are written)
+    if not failures and write_extra is not None:
+        failures += _attempt(write_extra, staging)
+    _raise_if_a_rank_failed(failures, root, staging)  # (a collective: every rank's files are written)
     # every rank flushes every file: on a filesystem that hosts share, only the host that wrote a file can
     # flush it, and which files DeepSpeed writes on which rank depends on its configuration
-    fsync_tree(staging)
-    _barrier()
+    _raise_if_a_rank_failed(_attempt(fsync_tree, staging), root, staging)
+    marker_failure: list[str] = []
     if rank == 0:
         fields = {"step": step, "tag": tag, "world_size": _world_size(), "sequence": _next_sequence(root)}
-        write_json_atomic(staging / MARKER, {**fields, **(marker or {})})
+        marker_failure = _attempt(write_json_atomic, staging / MARKER, {**fields, **(marker or {})})
+    _raise_if_a_rank_failed(marker_failure, root, staging)
+    if rank == 0:
         replacing = final.exists()
         _swap_into_place(staging, final)
         if replacing:  # a conversion of the replaced checkpoint is stale
@@ -400,18 +401,71 @@ def _load_module_rest(module: torch.nn.Module, folder: Path) -> None:
             current[name].copy_(saved[name].to(current[name].dtype))
 
 
-def _raise_if_a_rank_failed(failure: str | None, root: Path, staging: Path) -> None:
-    """Every rank learns whether any rank's writes failed; if one did, the staging folder goes and every
-    rank raises CheckpointWriteError with the first rank's error, the size of a checkpoint and the space
-    left."""
-    failures = [failure]
+#: what a write that the OS refused raises (torch.save reports the OS's write errors as RuntimeError)
+_WRITE_ERRORS = (OSError, RuntimeError)
+
+
+def _attempt(write: Callable[..., Any], *args: Any) -> list[str]:
+    """``write(*args)``'s error as this rank's failure ([] when it succeeded)."""
+    try:
+        write(*args)
+    except _WRITE_ERRORS as err:
+        return [f"rank {_rank()}: {err}"]
+    return []
+
+
+@contextlib.contextmanager
+def _writes_recorded(engine, failures: list[str]):
+    """DeepSpeed's checkpoint engine records a refused write in ``failures`` instead of raising it, and
+    writes nothing more of this save. DeepSpeed's save ends with a barrier: a rank that raised out of it
+    alone would leave the others waiting there for good while it waits for them to agree on the failure."""
+    writer = engine.checkpoint_engine
+    real = {name: getattr(writer, name) for name in ("save", "makedirs")}
+
+    def recording(write: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> None:
+            if not failures:
+                failures.extend(_attempt(lambda: write(*args, **kwargs)))
+
+        return call
+
+    for name, write in real.items():
+        setattr(writer, name, recording(write))
+    try:
+        yield
+    finally:
+        for name in real:
+            with contextlib.suppress(AttributeError):
+                delattr(writer, name)  # the class's own method again
+
+
+def _raise_if_a_rank_failed(failure: list[str], root: Path, staging: Path) -> None:
+    """Every rank learns whether any rank's writes failed (a collective); if one did, the staging folder
+    goes and every rank raises CheckpointWriteError with the first failed rank's report: its error, the size
+    of a checkpoint, the space left and the likely cause as that rank sees them (a disk may be its node's)."""
+    report = _failure_report(failure[0], root) if failure else None
+    reports = [report]
     if dist.is_initialized():
-        failures = [None] * dist.get_world_size()
-        dist.all_gather_object(failures, failure)
-    failed = [f for f in failures if f]
+        reports = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, report)
+    failed = [r for r in reports if r]
     if not failed:
         return
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    _barrier()
+    if _rank() == 0:
+        with contextlib.suppress(OSError):
+            _remove(staging)
+    _barrier()
+    error, details = failed[0]
+    raise CheckpointWriteError(
+        f"saving {staging.with_suffix('')} failed ({error}; {len(failed)} of {len(reports)} rank(s) failed); "
+        f"{details}. The run stops: make room (or fix the write error), then resume with --resume latest"
+    )
+
+
+def _failure_report(error: str, root: Path) -> tuple[str, str]:
+    """(the error, what this rank sees of the room a save needs: the last checkpoint's size, the space left on
+    its file system, the likely cause)."""
     complete = complete_checkpoints(root)
     size = sum(p.stat().st_size for p in complete[-1].rglob("*") if p.is_file()) if complete else None
     if complete:
@@ -419,16 +473,7 @@ def _raise_if_a_rank_failed(failure: str | None, root: Path, staging: Path) -> N
     else:
         needed = "there is no complete checkpoint yet"
     free = shutil.disk_usage(root).free
-    _barrier()
-    if rank == 0:
-        with contextlib.suppress(OSError):
-            _remove(staging)
-    _barrier()
-    raise CheckpointWriteError(
-        f"saving {staging.with_suffix('')} failed ({failed[0]}; {len(failed)} of {len(failures)} rank(s) "
-        f"failed); {needed}; {_size(free)} are left on the file system of {root}{_likely_cause(size, free)}. "
-        "The run stops: make room (or fix the write error), then resume with --resume latest"
-    )
+    return error, f"{needed}; {_size(free)} are left on the file system of {root}{_likely_cause(size, free)}"
 
 
 def _likely_cause(size: int | None, free: int) -> str:
@@ -437,7 +482,7 @@ def _likely_cause(size: int | None, free: int) -> str:
 
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     if limit != resource.RLIM_INFINITY:
-        return f"; this process may write at most {_size(limit)} to a file (RLIMIT_FSIZE, ulimit -f)"
+        return f"; rank {_rank()} may write at most {_size(limit)} to a file (RLIMIT_FSIZE, ulimit -f)"
     if size is not None and free < size:
         return f"; less than a checkpoint's {_size(size)}: the file system is full"
     return ""
@@ -450,6 +495,10 @@ def _size(nbytes: int) -> str:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _world_size() -> int:

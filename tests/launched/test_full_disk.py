@@ -5,10 +5,10 @@ complete, names the folder, the error and the sizes, and stops the run with code
 checkpoint and ``latest`` are intact, and a run without the limit resumes from them.
 
 One run of 8 steps, saving every 4, on 2 ranks of the rank pool (no loader workers, no watchdog: neither is
-under test), through tests/launched_train.py, which puts each rank under the limit once its step-4 save is
-complete (``EVA_TEST_LIMIT_FILE_SIZE``). This is the launch that a limit set on the ``deepspeed`` command
-from its start, followed by a run of 4 steps without it, would give: the only files that reach the limit
-are the checkpoint's, which the ranks write, so the save of step 8 meets EFBIG where it would have; the
+under test), through tests/launched_train.py, which puts rank 1 under the limit once its step-4 save is
+complete (``EVA_TEST_LIMIT_FILE_SIZE``, ``EVA_TEST_LIMIT_RANK``). This is the launch that a limit set on
+rank 1 from its start, followed by a run of 4 steps without it, would give: the only files that reach the
+limit are the checkpoint's, which the ranks write, so the save of step 8 meets EFBIG where it would have; the
 runner and launch.py write no file here (the rank pool stands in for them), and a limit from the start
 would only have needed a first run without it to make the step-4 checkpoint.
 """
@@ -22,13 +22,19 @@ from launching import all_gone, run_ranks
 
 from eva_fastclip.checkpointing import checkpoint
 
-LIMIT = 2 * 2**20  # bytes a process may write to one file: the logs fit, the model's states (6 MB) do not
+LIMIT = (
+    2 * 2**20
+)  # bytes a process may write to one file: the logs fit, rank 1's ZeRO partition (9 MB) does not
 SETS = ["train.steps=8", "train.save_every_steps=4", "data.workers=0", "train.hang_timeout_s=0"]
 
 
 def test_a_save_that_cannot_be_written_leaves_the_last_checkpoint_intact(toy_data, rank_pool, tmp_path):
     out, record = tmp_path / "run", tmp_path / "record"
-    hooks = {"EVA_TEST_LIMIT_FILE_SIZE": str(LIMIT), "EVA_TEST_RECORD": str(record)}
+    hooks = {
+        "EVA_TEST_LIMIT_FILE_SIZE": str(LIMIT),
+        "EVA_TEST_LIMIT_RANK": "1",
+        "EVA_TEST_RECORD": str(record),
+    }
     started = time.monotonic()
     args = ["tests/launched_train.py", *fault_args(toy_data, out, *SETS)]
     full = rank_pool.launch(2, args, tmp_path / "full.log", env=hooks)
@@ -45,8 +51,9 @@ def test_a_save_that_cannot_be_written_leaves_the_last_checkpoint_intact(toy_dat
     assert (record / "saved_4.json").is_file() and not (record / "saved_8.json").exists()
     before = json.loads((record / "listed_4.json").read_text())  # checkpoints/ once step 4 was saved
     line = next(line for line in text.splitlines() if "eva-fastclip train: stopped: saving " in line)
-    assert f"saving {out / 'checkpoints' / checkpoint.tag_for_step(8)} failed (rank " in line
-    assert "this process may write at most 2.0 MiB to a file (RLIMIT_FSIZE, ulimit -f)" in line
+    assert f"saving {out / 'checkpoints' / checkpoint.tag_for_step(8)} failed (rank 1: " in line
+    assert "; 1 of 2 rank(s) failed)" in line
+    assert "rank 1 may write at most 2.0 MiB to a file (RLIMIT_FSIZE, ulimit -f)" in line
     assert f"the last complete checkpoint, {out / 'checkpoints' / checkpoint.tag_for_step(4)}, takes" in line
     assert "are left on the file system" in line and "--resume latest" in line
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before  # no staging folder left
