@@ -40,14 +40,15 @@ def two_largest_peaks(trials: Path) -> tuple[float, float]:
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher's own argument
     out, config_args = Path(args[0]), args[1:]
-    codes = [main(["tune", *config_args, "--output", str(out / "first.json")])]
+    quick = ["--probe-steps", "1"]  # the peaks are the same; the speeds, noisier, are not under test
+    codes = [main(["tune", *config_args, *quick, "--output", str(out / "first.json")])]
     dist.barrier()  # rank 0 wrote the trials
     largest, next_one = two_largest_peaks(out / "first.trials.json")
     limit = (largest + next_one) / 2
     if RANK == 0:
         (out / "limit.txt").write_text(f"{limit!r}\n")
     second = ["--output", str(out / "second.json"), "--memory-limit-gib", repr(limit), "--memory-margin", "0"]
-    codes.append(main(["tune", *config_args, *second, "--no-data"]))
+    codes.append(main(["tune", *config_args, *quick, *second, "--no-data"]))
     dist.barrier()
     sets = [f"train.output_dir={out / 'trained'}", "train.steps=2", "data.workers=0"]
     sets += ["eval.zeroshot_dir=null", "eval.retrieval_shards=null"]

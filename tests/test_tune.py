@@ -98,7 +98,8 @@ def test_estimates_are_within_15_percent_of_the_measured_peaks(toy, tmp_path):
     raw = read_raw_config(REPO / "configs/toy.json", overrides)
     ds = load_deepspeed_config(REPO / cfg.train.deepspeed_config)
     output = tmp_path / "tuned.json"
-    tuner = Tuner(cfg, raw, ds, TuneOptions(output=output, data=False))
+    # one timed step a probe: its peak is the same as after three (the speeds, noisier, are not under test)
+    tuner = Tuner(cfg, raw, ds, TuneOptions(output=output, data=False, probe_steps=1))
     summary = tuner.run()
     probed = [t for t in tuner.trials if t.peak is not None]
     assert len({t.candidate.micro_batch for t in probed}) >= 2  # the slope needs two sizes
@@ -129,7 +130,7 @@ def test_estimates_are_within_15_percent_of_the_measured_peaks(toy, tmp_path):
         if row["name"] == chosen_name:
             row.update(probed=False, peak_gib=None, samples_per_s=None)
     (tmp_path / "tuned.trials.json").write_text(json.dumps(trials))
-    again = Tuner(cfg, raw, ds, TuneOptions(output=output, data=False))
+    again = Tuner(cfg, raw, ds, TuneOptions(output=output, data=False, probe_steps=1))
     again.run()
     died = next(t for t in again.trials if t.candidate.name() == chosen_name)
     assert died.verdict == "oom" and "ended during this probe" in died.why
@@ -149,12 +150,12 @@ def test_an_out_of_memory_probe_frees_what_it_held(toy, tmp_path):
     candidate = Candidate(64, 2, "micro", False, 0, 1)
     shape = dict(image_shape=(3, 64, 64), context_length=32, output_dir=str(tmp_path / "probe"))
     earlier = weakref.WeakSet(o for o in _objects() if isinstance(o, DeepSpeedEngine))
-    failed = model_probe(cfg, ds, candidate, limit=64 * MIB, **shape)
+    failed = model_probe(cfg, ds, candidate, limit=64 * MIB, steps=1, **shape)
     assert failed.oom and failed.peak is None and "over the limit of 64.0 MiB" in failed.detail
     made = [o for o in _objects() if isinstance(o, DeepSpeedEngine) and o not in earlier]
     assert not made  # the half-built engine too
     with StorageTracker(keep_peak_tensors=False) as after:
-        ok = model_probe(cfg, ds, candidate, limit=None, **shape)
+        ok = model_probe(cfg, ds, candidate, limit=None, steps=1, **shape)
     assert not ok.oom and ok.step_s > 0
     assert after.current < 4 * MIB  # what the second probe made is gone with it
 
@@ -221,6 +222,8 @@ def test_bad_requests_are_refused_before_any_probe(toy, tmp_path):
         TuneOptions(output=tmp_path / "t.json", gpus=8)
     with pytest.raises(ConfigError, match="must name a .json file"):
         TuneOptions(output=tmp_path / "tuned")
+    with pytest.raises(ConfigError, match="--probe-steps must be >= 1, got 0"):
+        TuneOptions(output=tmp_path / "t.json", probe_steps=0)
     with pytest.raises(ConfigError, match="fixes train_micro_batch_size_per_gpu=32.*auto"):
         check_tunable({"train_micro_batch_size_per_gpu": 32}, "ds.json")
     capped, note = cap_reduce_bucket({"zero_optimization": {"stage": 1}}, 7_981_057)

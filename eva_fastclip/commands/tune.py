@@ -39,6 +39,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--no-data", action="store_true", help="keep data.workers and data.image_decode as they are"
     )
     p.add_argument(
+        "--probe-steps",
+        type=int,
+        default=3,
+        help="optimizer steps a probe times after its untimed first (default 3; fewer: a quicker, noisier "
+        "speed; the peak is reached in the first timed step)",
+    )
+    p.add_argument(
         "--estimate-only",
         action="store_true",
         help="plan for other GPUs from the memory model alone (with --gpus and --gpu-memory-gib)",
@@ -68,6 +75,7 @@ def run(args) -> int:
         gpus=args.gpus,
         gpu_memory_gib=args.gpu_memory_gib,
         data=not args.no_data,
+        probe_steps=args.probe_steps,
     )
     if opts.estimate_only:
         Tuner(cfg, raw, ds, opts).run()

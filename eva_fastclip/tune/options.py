@@ -22,6 +22,7 @@ class TuneOptions:
     gpus: int | None = None
     gpu_memory_gib: float | None = None
     data: bool = True
+    probe_steps: int = 3  # timed optimizer steps a probe trains after its untimed first (probe.PROBE_STEPS)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.margin < 1.0:
@@ -37,6 +38,8 @@ class TuneOptions:
                 "--gpus and --gpu-memory-gib plan a run elsewhere: add --estimate-only (a search that "
                 "measures runs on the ranks it is launched with, under --memory-limit-gib)"
             )
+        if self.probe_steps < 1:
+            raise ConfigError(f"--probe-steps must be >= 1, got {self.probe_steps}")
         if self.output.suffix != ".json":
             raise ConfigError(f"--output {self.output} must name a .json file (e.g. tuned.json)")
 

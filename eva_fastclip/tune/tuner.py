@@ -291,6 +291,7 @@ class Tuner:
                 output_dir=str(self.scratch),
                 limit=self.limit if self.device.type == "cpu" and self.opts.memory_limit_gib else None,
                 watchdog=self.watchdog,
+                steps=self.opts.probe_steps,
             )
         except DeviceUnusable as err:
             trial.oom, trial.why = True, f"the device was unusable after it: {err}"
