@@ -3,12 +3,16 @@ text tower) loads with ``open_clip.create_model_and_transforms("local-dir:DIR")`
 Python that cannot import eva_fastclip and has no network (a process of its own: ``python -I``),
 preprocesses an image and tokenizes a caption as training did, gives the trained model's embeddings, and
 goes through open_clip's Hugging Face Hub push. The command line and the refusals:
-tests/test_export_dir.py."""
+tests/test_export_dir.py.
+
+One such process loads the three exports one after another (a new interpreter costs ~10 s of imports on
+this machine); it checks after each that nothing of eva_fastclip was imported or registered."""
 
 import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,7 +29,7 @@ CAPTION = "a photo of a red square on a blue background"
 # Runs with `python -I` (no script folder, no PYTHONPATH on sys.path) and a finder ahead of the editable
 # install's that refuses eva_fastclip, so nothing it registers (architectures, timm trunks) is known here.
 CLEAN_LOADER = r"""
-import importlib, importlib.abc, importlib.util, shutil, socket, sys
+import importlib, importlib.abc, importlib.util, json, shutil, socket, sys
 from pathlib import Path
 
 
@@ -46,20 +50,7 @@ import huggingface_hub, open_clip, timm, torch
 from PIL import Image
 
 hub = importlib.import_module("open_clip.push_to_hf_hub")  # the package's push_to_hf_hub is the function
-
-folder, image_path, caption, out = sys.argv[1:]
-name = f"local-dir:{folder}"
-# as clip_benchmark's --model local-dir:DIR calls it (its --pretrained default is ignored for a local-dir)
-model, _, preprocess = open_clip.create_model_and_transforms(name, pretrained="laion400m_e32", cache_dir=None)
-tokenizer = open_clip.get_tokenizer(name)
-model.eval()
-pixels, tokens = preprocess(Image.open(image_path)).unsqueeze(0), tokenizer([caption])
-result = {"pixels": pixels, "tokens": tokens, "tokenizer": type(tokenizer).__name__}
-with torch.no_grad():
-    result.update(image=model.encode_image(pixels), text=model.encode_text(tokens), scale=model.logit_scale)
-
-# open_clip's push to the Hugging Face Hub, its network calls replaced: the folder it uploads loads again
-pushed = Path(out).parent / "pushed"
+real_hf_tokenizer = hub.HFTokenizer
 
 
 class OfflineTokenizer(hub.HFTokenizer):  # the hub tokenizer it swaps in for CLIP's own BPE one
@@ -81,76 +72,119 @@ hub.repo_type_and_id_from_hf_id = lambda url: (None, *url.split("/")[-2:])
 hub.create_repo = lambda repo_id, **kwargs: f"https://huggingface.co/{repo_id}"
 hub.list_repo_files = no_network
 hub.get_hf_file_metadata = readme_missing
-hub.upload_folder = lambda folder_path, **kwargs: shutil.copytree(folder_path, pushed)
-if not isinstance(tokenizer, hub.HFTokenizer):
-    hub.HFTokenizer = OfflineTokenizer
-hub.push_pretrained_to_hf_hub(name, pretrained=None, repo_id="someone/model")  # its command line's call
-result["pushed_files"] = sorted(p.name for p in pushed.iterdir())
-# the upload must stand alone: the exported folder is gone where someone downloads it
-shutil.move(folder, folder + ".elsewhere")
-try:
-    again = open_clip.create_model(f"local-dir:{pushed}").eval()
-    with torch.no_grad():
-        result.update(pushed_image=again.encode_image(pixels), pushed_text=again.encode_text(tokens))
-except Exception as err:
-    result["pushed_error"] = repr(err)
-shutil.move(folder + ".elsewhere", folder)
 
-try:
-    importlib.util.find_spec("eva_fastclip")
-except ImportError:
-    result["blocked"] = True
-result["modules"] = sorted(m for m in sys.modules if m.partition(".")[0] == "eva_fastclip")
-result["registered"] = ["toy-vit-t" in open_clip.list_models(), timm.is_model("eva02_test_xs_patch8_clip_32")]
-torch.save(result, out)
+
+def load(folder, image_path, caption, out):
+    name = f"local-dir:{folder}"
+    # as clip_benchmark's --model local-dir:DIR calls it (its --pretrained default is ignored for a local-dir)
+    model, _, preprocess = open_clip.create_model_and_transforms(
+        name, pretrained="laion400m_e32", cache_dir=None
+    )
+    tokenizer = open_clip.get_tokenizer(name)
+    model.eval()
+    pixels, tokens = preprocess(Image.open(image_path)).unsqueeze(0), tokenizer([caption])
+    result = {"pixels": pixels, "tokens": tokens, "tokenizer": type(tokenizer).__name__}
+    with torch.no_grad():
+        image, text = model.encode_image(pixels), model.encode_text(tokens)
+    result.update(image=image, text=text, scale=model.logit_scale)
+
+    # open_clip's push to the Hugging Face Hub, its network calls replaced: the folder it uploads loads again
+    pushed = Path(out).parent / "pushed"
+    hub.upload_folder = lambda folder_path, **kwargs: shutil.copytree(folder_path, pushed)
+    hub.HFTokenizer = real_hf_tokenizer  # (not an earlier case's stand-in)
+    if not isinstance(tokenizer, hub.HFTokenizer):
+        hub.HFTokenizer = OfflineTokenizer
+    hub.push_pretrained_to_hf_hub(name, pretrained=None, repo_id="someone/model")  # its command line's call
+    result["pushed_files"] = sorted(p.name for p in pushed.iterdir())
+    # the upload must stand alone: the exported folder is gone where someone downloads it
+    shutil.move(folder, folder + ".elsewhere")
+    try:
+        again = open_clip.create_model(f"local-dir:{pushed}").eval()
+        with torch.no_grad():
+            result.update(pushed_image=again.encode_image(pixels), pushed_text=again.encode_text(tokens))
+    except Exception as err:
+        result["pushed_error"] = repr(err)
+    shutil.move(folder + ".elsewhere", folder)
+
+    try:
+        importlib.util.find_spec("eva_fastclip")
+    except ImportError:
+        result["blocked"] = True
+    result["modules"] = sorted(m for m in sys.modules if m.partition(".")[0] == "eva_fastclip")
+    eva_trunk = timm.is_model("eva02_test_xs_patch8_clip_32")
+    result["registered"] = ["toy-vit-t" in open_clip.list_models(), eva_trunk]
+    torch.save(result, out)
+
+
+for case in json.loads(sys.argv[1]):
+    load(*case)
 """
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def trained(request, tmp_path_factory):
-    return train_case(request.param, tmp_path_factory.mktemp(request.param))
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """Every case trained and exported (the toy ViT's folder then moved: nothing in it names a path), an
+    image written beside it; then one process without eva_fastclip loads every export."""
+    cases, jobs = {}, []
+    for case in CASES:
+        trained = train_case(case, tmp_path_factory.mktemp(case))
+        tmp = trained["tmp"]
+        folder = tmp / "export" / "model"
+        summary = export.export_open_clip(trained["checkpoint"], folder)
+        entry = {
+            **trained,
+            "summary": summary,
+            "staging_left": (tmp / "export" / "model.tmp").exists(),
+            "config": json.loads((folder / "open_clip_config.json").read_text()),
+            "files": {p.name for p in folder.iterdir()},
+            "exported_to": folder,
+        }
+        if case == "toy-vit":
+            folder = Path(shutil.move(folder, tmp / "moved"))
+        image_path = tmp / "image.png"
+        rng = np.random.default_rng(0)
+        Image.fromarray(rng.integers(0, 256, (80, 96, 3), dtype=np.uint8)).save(image_path)
+        cases[case] = {**entry, "folder": folder, "image_path": image_path}
+        jobs.append([str(folder), str(image_path), CAPTION, str(tmp / "clean.pt")])
+    run_without_eva_fastclip(jobs, tmp_path_factory.mktemp("clean"))
+    for entry in cases.values():
+        entry["clean"] = torch.load(entry["tmp"] / "clean.pt", weights_only=False)
+    return cases
 
 
-def run_without_eva_fastclip(folder, image_path, out):
-    script = out.parent / "load.py"
+def run_without_eva_fastclip(jobs: list[list[str]], work: Path) -> None:
+    """One ``python -I`` process runs CLEAN_LOADER on every job (folder, image, caption, output file)."""
+    script = work / "load.py"
     script.write_text(CLEAN_LOADER)
     proc = subprocess.run(
-        [sys.executable, "-I", str(script), str(folder), str(image_path), CAPTION, str(out)],
-        cwd=out.parent,  # not the repository: nothing of it on sys.path
+        [sys.executable, "-I", str(script), json.dumps(jobs)],
+        cwd=work,  # not the repository: nothing of it on sys.path
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return torch.load(out, weights_only=False)
 
 
-def test_exported_folder_loads_without_eva_fastclip_and_gives_the_trained_embeddings(trained):
-    tmp = trained["tmp"]
-    summary = export.export_open_clip(trained["checkpoint"], tmp / "export" / "model")
-    folder = tmp / "export" / "model"
-    assert summary == {
-        "output": str(folder),
+@pytest.mark.parametrize("case", list(CASES))
+def test_exported_folder_loads_without_eva_fastclip_and_gives_the_trained_embeddings(exported, case):
+    trained = exported[case]
+    folder, image_path, clean = trained["folder"], trained["image_path"], trained["clean"]
+    config = trained["config"]
+    assert trained["summary"] == {
+        "output": str(trained["exported_to"]),
         "format": "open_clip folder",
         "architecture": trained["cfg"].model.name,
         "tensors": len(trained["model"].state_dict()),
     }
-    assert not (tmp / "export" / "model.tmp").exists()
-    config = json.loads((folder / "open_clip_config.json").read_text())
+    assert not trained["staging_left"]
     assert set(config) == {"model_cfg", "preprocess_cfg"}
-    files = {p.name for p in folder.iterdir()}
+    files = trained["files"]
     assert {"open_clip_config.json", "open_clip_model.safetensors"} <= files
-    if trained["case"] == "toy-vit":  # nothing in it names a path: the folder moves
-        folder = shutil.move(folder, tmp / "moved")
-    if trained["case"] == "tiny-eva":
+    if case == "tiny-eva":
         assert config["model_cfg"]["vision_cfg"]["timm_model_name"] == f"local-dir:{folder}/vision_trunk"
-    if trained["case"] == "hf-text":
+    if case == "hf-text":
         assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= files
-
-    rng = np.random.default_rng(0)
-    image_path = tmp / "image.png"
-    Image.fromarray(rng.integers(0, 256, (80, 96, 3), dtype=np.uint8)).save(image_path)
-    clean = run_without_eva_fastclip(folder, image_path, tmp / "clean.pt")
     assert clean["blocked"] and clean["modules"] == [] and clean["registered"] == [False, False]
 
     # what training saw: the bundle's eval preprocessing and tokenizer, and the trained weights
@@ -160,12 +194,12 @@ def test_exported_folder_loads_without_eva_fastclip_and_gives_the_trained_embedd
     tokens = bundle.tokenizer([CAPTION])
     torch.testing.assert_close(clean["pixels"], pixels, rtol=0, atol=0)
     torch.testing.assert_close(clean["tokens"], tokens, rtol=0, atol=0)
-    assert clean["tokenizer"] == ("HFTokenizer" if trained["case"] == "hf-text" else "SimpleTokenizer")
+    assert clean["tokenizer"] == ("HFTokenizer" if case == "hf-text" else "SimpleTokenizer")
     model = trained["model"]
     with torch.no_grad():
         image, text = model.encode_image(pixels), model.encode_text(tokens)
     compared = [("image", image), ("text", text)]
-    if trained["case"] == "toy-vit":  # self-contained: the upload loads without the exported folder
+    if case == "toy-vit":  # self-contained: the upload loads without the exported folder
         assert "pushed_error" not in clean
         compared += [("pushed_image", image), ("pushed_text", text)]
     else:  # the documented limit (docs/checkpoints.md): its config names the exported folder's own path
