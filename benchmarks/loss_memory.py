@@ -2,7 +2,8 @@
 
     python -m benchmarks.loss_memory [--quick] [--output runs/bench/loss_memory.json]
 
-Two contestants run side by side in the same K spawned processes (gloo process group, one thread each):
+Two contestants run side by side in the same K spawned processes (gloo process group, one thread each; K=1
+in the benchmark's own process, on one thread):
 
 - **ours**: ``build_loss("fastclip_v3", gatherer=Gatherer(rank, K), dataset_size=B)``;
 - **openclip**: ``open_clip.loss.ClipLoss(local_loss=True, gather_with_grad=True, rank=r, world_size=K)``,
@@ -305,16 +306,23 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], dim: int, out_di
     torch.set_num_threads(1)
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {}
     try:
-        for big_b in sizes:
-            results[str(big_b)] = run_point(rank, world, big_b, dim)
-            if world > 1:
-                dist.barrier()
+        results = measure_rank(rank, world, sizes, dim)
     finally:
         if world > 1:
             dist.destroy_process_group()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def measure_rank(rank: int, world: int, sizes: list[int], dim: int) -> dict[str, Any]:
+    """This rank's results at every B in ``sizes``, in a process group of ``world`` ranks already joined
+    (every rank calls it)."""
+    results = {}
+    for big_b in sizes:
+        results[str(big_b)] = run_point(rank, world, big_b, dim)
+        if world > 1:
+            dist.barrier()
+    return results
 
 
 def _free_port() -> int:
@@ -324,8 +332,16 @@ def _free_port() -> int:
 
 
 def run_ranks(world: int, sizes: list[int], dim: int = DIM) -> list[dict[str, Any]]:
-    """Spawn ``world`` gloo ranks that measure every B in ``sizes``; every rank's results."""
+    """Spawn ``world`` gloo ranks that measure every B in ``sizes``; every rank's results. One rank runs in
+    this process, on one thread as the spawned ones do (a new interpreter would only re-import torch)."""
     os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+    if world == 1:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return [measure_rank(0, 1, list(sizes), dim)]
+        finally:
+            torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(_worker, args=(world, _free_port(), list(sizes), dim, out_dir), nprocs=world, join=True)
         return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
@@ -406,12 +422,13 @@ def analyse(points: list[dict[str, Any]], dim: int) -> dict[str, Any]:
 # ---- the command ----------------------------------------------------------------------------------------
 
 
-def run_benchmark(ks=GRID_K, sizes=GRID_B, dim: int = DIM) -> dict[str, Any]:
-    """Every (K, B) point for both contestants; rank 0's rows, the analysis, and every rank's raw results."""
+def run_benchmark(ks=GRID_K, sizes=GRID_B, dim: int = DIM, ranks=run_ranks) -> dict[str, Any]:
+    """Every (K, B) point for both contestants; rank 0's rows, the analysis, and every rank's raw results.
+    ``ranks(K, sizes, dim)``: every rank's results (``run_ranks``, or ranks measured elsewhere)."""
     points, raw = [], {}
     for world in ks:
         usable = [big_b for big_b in sizes if big_b % world == 0]
-        per_rank = run_ranks(world, usable, dim)
+        per_rank = ranks(world, usable, dim)
         raw[str(world)] = per_rank
         for big_b in usable:
             row = per_rank[0][str(big_b)]

@@ -38,6 +38,7 @@ PIECES = {
     "lamb_zero": "test_lamb_zero_two_ranks:two_ranks",
     "accumulation": "accumulation_ranks:two_ranks",
     "cached_step": "cached_step_ranks:two_ranks",
+    "loss_benchmark": "test_bench_loss_ranks:two_ranks",
     "tune_out_of_memory": "test_tune_two_ranks:agree_out_of_memory",
 }
 #: pieces that run before the ranks join the process group
@@ -164,5 +165,6 @@ def _state(folder: Path) -> str:
 
 if __name__ == "__main__":
     sys.path.insert(1, str(Path(__file__).parents[1]))  # the helpers of tests/ (this folder is sys.path[0])
+    sys.path.insert(2, str(Path(__file__).parents[2]))  # the repository's benchmarks/
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher's own argument
     run_pieces(Path(args[0]), args[1:])
