@@ -12,6 +12,8 @@ it here.
 - ``EVA_TEST_LIMIT_FILE_SIZE=BYTES``: after its first save, every rank (or only rank ``EVA_TEST_LIMIT_RANK``),
   and what it starts from then on, may write at most BYTES to a file (RLIMIT_FSIZE, ``ulimit -f``): the kernel
   refuses a larger write with EFBIG (Python ignores SIGXFSZ), as a full file system refuses it with ENOSPC.
+- ``EVA_TEST_FILL_AT_START=BYTES``: once its Trainer is built, rank 0 fills the file system of the output
+  folder (a file ``filler`` there) until BYTES are left.
 - ``EVA_TEST_DUMP_LOADED=FOLDER``: once the trainer is set up (a resume loaded), every rank writes
   ``FOLDER/rank_K.pt``: its optimizer steps per group and, on rank 0, the full fp32 weights and moments of
   every trained parameter, gathered from the ZeRO partitions by DeepSpeed's own accessors
@@ -22,6 +24,7 @@ import hashlib
 import json
 import os
 import resource
+import shutil
 import sys
 from pathlib import Path
 
@@ -91,6 +94,21 @@ def limit_file_size_after_first_save(limit: int) -> None:
     Trainer.save = save
 
 
+def fill_at_start(left: int) -> None:
+    real = Trainer.__init__
+
+    def __init__(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        if self.is_main:
+            filler = self.output_dir / "filler"
+            with open(filler, "wb") as f:
+                chunk, remaining = bytes(2**20), shutil.disk_usage(filler.parent).free - left
+                while remaining > 0:
+                    remaining -= f.write(chunk[: min(len(chunk), remaining)])
+
+    Trainer.__init__ = __init__
+
+
 def loaded_state(trainer: Trainer) -> dict:
     """The trainer's optimizer steps per group and, on rank 0, the full fp32 weights and moments of every
     trained parameter, gathered from the ZeRO partitions by DeepSpeed's own accessors (collectives: every
@@ -132,6 +150,8 @@ if __name__ == "__main__":
         RANK
     ):
         limit_file_size_after_first_save(int(os.environ["EVA_TEST_LIMIT_FILE_SIZE"]))
+    if os.environ.get("EVA_TEST_FILL_AT_START"):
+        fill_at_start(int(os.environ["EVA_TEST_FILL_AT_START"]))
     if os.environ.get("EVA_TEST_RECORD"):  # its few bytes a save fit under the limit
         record_saves(Path(os.environ["EVA_TEST_RECORD"]))
     code = main(sys.argv[1:])

@@ -416,11 +416,14 @@ def _attempt(write: Callable[..., Any], *args: Any) -> list[str]:
 
 @contextlib.contextmanager
 def _writes_recorded(engine, failures: list[str]):
-    """DeepSpeed's checkpoint engine records a refused write in ``failures`` instead of raising it, and
-    writes nothing more of this save. DeepSpeed's save ends with a barrier: a rank that raised out of it
-    alone would leave the others waiting there for good while it waits for them to agree on the failure."""
-    writer = engine.checkpoint_engine
-    real = {name: getattr(writer, name) for name in ("save", "makedirs")}
+    """DeepSpeed's save records a refused write in ``failures`` instead of raising it, and writes nothing more
+    of this save: every write it makes goes through its checkpoint engine's ``save`` and ``makedirs``, but for
+    the recovery scripts rank 0 copies beside the ZeRO files (``_copy_recovery_script``, DeepSpeed 0.19).
+    DeepSpeed's save ends with a barrier: a rank that raised out of it alone would leave the others waiting
+    there for good while it waited for them to agree on the failure."""
+    writers = [(engine.checkpoint_engine, "save"), (engine.checkpoint_engine, "makedirs")]
+    if hasattr(engine, "_copy_recovery_script"):
+        writers.append((engine, "_copy_recovery_script"))
 
     def recording(write: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> None:
@@ -429,14 +432,14 @@ def _writes_recorded(engine, failures: list[str]):
 
         return call
 
-    for name, write in real.items():
-        setattr(writer, name, recording(write))
+    for owner, name in writers:
+        setattr(owner, name, recording(getattr(owner, name)))
     try:
         yield
     finally:
-        for name in real:
+        for owner, name in writers:
             with contextlib.suppress(AttributeError):
-                delattr(writer, name)  # the class's own method again
+                delattr(owner, name)  # the class's own method again
 
 
 def _raise_if_a_rank_failed(failure: list[str], root: Path, staging: Path) -> None:

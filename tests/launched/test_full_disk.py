@@ -14,9 +14,11 @@ would only have needed a first run without it to make the step-4 checkpoint.
 """
 
 import json
+import subprocess
 import time
 
 import psutil
+import pytest
 from fault_runs import MODULE, fault_args, last_complete
 from launching import all_gone, run_ranks
 
@@ -67,3 +69,38 @@ def test_a_save_that_cannot_be_written_leaves_the_last_checkpoint_intact(toy_dat
         pool=rank_pool,
     )
     assert last_complete(out) == 8
+
+
+def test_a_full_file_system_fails_the_first_save_on_every_rank(toy_data, rank_pool, tmp_path):
+    """A real full file system (ENOSPC): the run's output folder on a tmpfs of 64 MiB of its own, which rank
+    0 fills as the run starts, all but 32 KiB (tests/launched_train.py ``EVA_TEST_FILL_AT_START``): the
+    step logs fit, the step-4 checkpoint does not. Every rank's files are refused, and so is the copy of
+    DeepSpeed's recovery script (38 KiB) that rank 0 makes beside the first ZeRO checkpoint of a folder
+    outside DeepSpeed's checkpoint writer: the run stops with code 4 saying the file system is full, no
+    checkpoint folder left. (With only the writer's writes recorded, rank 0 crashed with the copy's OSError;
+    before any was, it left DeepSpeed's save while rank 1 waited in its last barrier: a hang.)"""
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", small], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"no tmpfs of its own here (root and CAP_SYS_ADMIN): {mounted.stderr.decode().strip()}")
+    try:
+        out = small / "run"
+        started = time.monotonic()
+        args = ["tests/launched_train.py", *fault_args(toy_data, out, *SETS)]
+        full = rank_pool.launch(2, args, tmp_path / "full.log", env={"EVA_TEST_FILL_AT_START": str(2**15)})
+        try:
+            code = full.wait(timeout=600)
+        finally:
+            full.kill()
+        took = time.monotonic() - started
+        print(f"the full file system stopped the run with {code} {took:.1f} s after its start")
+        text = full.output()
+        assert code == 4, text[-4000:]
+        line = next(line for line in text.splitlines() if "eva-fastclip train: stopped: saving " in line)
+        assert f"saving {out / 'checkpoints' / checkpoint.tag_for_step(4)} failed (rank " in line
+        assert "there is no complete checkpoint yet" in line and "the file system is full" not in line
+        assert "--resume latest" in line
+        assert [p.name for p in (out / "checkpoints").iterdir() if p.is_dir()] == []  # no staging folder left
+    finally:
+        subprocess.run(["umount", "--lazy", small], check=False)
