@@ -146,9 +146,8 @@ if __name__ == "__main__":
     if os.environ.get("EVA_TEST_DUMP_LOADED"):
         dump_loaded(Path(os.environ["EVA_TEST_DUMP_LOADED"]))
     record_stop()
-    if os.environ.get("EVA_TEST_LIMIT_FILE_SIZE") and os.environ.get("EVA_TEST_LIMIT_RANK", str(RANK)) == str(
-        RANK
-    ):
+    limited = os.environ.get("EVA_TEST_LIMIT_RANK", str(RANK)) == str(RANK)  # every rank, or the one named
+    if os.environ.get("EVA_TEST_LIMIT_FILE_SIZE") and limited:
         limit_file_size_after_first_save(int(os.environ["EVA_TEST_LIMIT_FILE_SIZE"]))
     if os.environ.get("EVA_TEST_FILL_AT_START"):
         fill_at_start(int(os.environ["EVA_TEST_FILL_AT_START"]))

@@ -10,7 +10,8 @@ complete (``EVA_TEST_LIMIT_FILE_SIZE``, ``EVA_TEST_LIMIT_RANK``). This is the la
 rank 1 from its start, followed by a run of 4 steps without it, would give: the only files that reach the
 limit are the checkpoint's, which the ranks write, so the save of step 8 meets EFBIG where it would have; the
 runner and launch.py write no file here (the rank pool stands in for them), and a limit from the start
-would only have needed a first run without it to make the step-4 checkpoint.
+would only have needed a first run without it to make the step-4 checkpoint. A second run fills a real
+file system (a tmpfs of its own) before the first save: ENOSPC on every rank.
 """
 
 import json
@@ -24,9 +25,8 @@ from launching import all_gone, run_ranks
 
 from eva_fastclip.checkpointing import checkpoint
 
-LIMIT = (
-    2 * 2**20
-)  # bytes a process may write to one file: the logs fit, rank 1's ZeRO partition (9 MB) does not
+# bytes a process may write to one file: the logs fit, rank 1's ZeRO partition (9 MB) does not
+LIMIT = 2 * 2**20
 SETS = ["train.steps=8", "train.save_every_steps=4", "data.workers=0", "train.hang_timeout_s=0"]
 
 
@@ -76,9 +76,10 @@ def test_a_full_file_system_fails_the_first_save_on_every_rank(toy_data, rank_po
     0 fills as the run starts, all but 32 KiB (tests/launched_train.py ``EVA_TEST_FILL_AT_START``): the
     step logs fit, the step-4 checkpoint does not. Every rank's files are refused, and so is the copy of
     DeepSpeed's recovery script (38 KiB) that rank 0 makes beside the first ZeRO checkpoint of a folder
-    outside DeepSpeed's checkpoint writer: the run stops with code 4 saying the file system is full, no
-    checkpoint folder left. (With only the writer's writes recorded, rank 0 crashed with the copy's OSError;
-    before any was, it left DeepSpeed's save while rank 1 waited in its last barrier: a hang.)"""
+    outside DeepSpeed's checkpoint writer: the run stops with code 4, naming the space left (no checkpoint
+    yet whose size to compare it with), no checkpoint folder left. (With only the writer's writes recorded,
+    rank 0 crashed with the copy's OSError; before any was, it left DeepSpeed's save while rank 1 waited in
+    its last barrier: a hang.)"""
     small = tmp_path / "small"
     small.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", small], capture_output=True)
