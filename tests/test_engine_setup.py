@@ -238,3 +238,27 @@ def test_batchnorm_towers_train_in_bf16(tmp_path):
     metrics = trainer.train_step(*batch)  # refused by the CPU kernel with fp32 statistics
     assert math.isfinite(metrics["loss"]) and not torch.equal(norms[0].running_mean, before)
     trainer.engine.destroy()
+
+
+def test_ranks_on_one_machine_share_its_cores_and_a_rank_alone_keeps_its_threads(monkeypatch):
+    """A rank alone keeps the threads its process chose (a Trainer in a test worker on 1 thread beside
+    launched ranks: had it taken every core, its idle threads spun for them, 4x the CPU time for the same
+    work); ranks sharing a machine split its cores."""
+    from eva_fastclip.reliability.process import share_cores_among_ranks
+
+    before = torch.get_num_threads()
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    try:
+        torch.set_num_threads(1)
+        share_cores_among_ranks()
+        assert torch.get_num_threads() == 1
+        monkeypatch.setenv("LOCAL_SIZE", "2")  # DeepSpeed's launch.py: 2 ranks on this machine
+        share_cores_among_ranks()
+        assert torch.get_num_threads() == 4
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # torchrun's, first: more ranks than cores
+        share_cores_among_ranks()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -32,6 +32,15 @@ def local_world_size() -> int:
     return 1
 
 
+def share_cores_among_ranks() -> None:
+    """CPU ranks on one machine share its cores: without this each rank starts one thread per core, and
+    their threads spin waiting for cores the other ranks hold (several times the CPU time for the same
+    work). A rank alone keeps its process's choice: torch's own (its physical cores) or one made before."""
+    ranks = local_world_size()
+    if ranks > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -106,8 +115,7 @@ def init_process_group() -> tuple[int, int, torch.device]:
 
     accelerator = get_accelerator()
     if accelerator.device_name() == "cpu":
-        # ranks on one machine share its cores: without this each rank starts one thread per core
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size()))
+        share_cores_among_ranks()
         keep_freed_host_memory()
     _default_rendezvous_env()
     try:
