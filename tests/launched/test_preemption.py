@@ -95,7 +95,9 @@ def test_a_second_signal_stops_at_once_with_the_last_checkpoint_intact(toy_data,
     complete checkpoint (scheduled, step 4) stays the one to resume."""
     out = tmp_path / "run"
     args = fault_args(toy_data, out, "train.save_every_steps=4")
-    run = rank_pool.launch(2, [*MODULE, *args], tmp_path / "second.log")
+    # rank 1, let go after rank 0 is gone, may wait in a collective or for its step boundary: the supervisor
+    # SIGKILLs it 5 s after its SIGTERM rather than launch.py's 30 (which launcher ends it is not under test)
+    run = rank_pool.launch(2, [*MODULE, *args], tmp_path / "second.log", grace_s=5.0)
     try:
         wait_for_step(out, 6, alive=lambda: run.poll() is None, log=run.log)
         processes = run.processes()
