@@ -8,8 +8,9 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 .PHONY: demo test test-fast lint clean
 
 # uv installs the versions pip installs (the same `pip freeze` here) in a quarter of pip's time: ~45 s
-# against ~2 min 45 s on 2 cores, most of it torch's CUDA wheels. uv reads no pip.conf: `make INSTALLER=pip`
-# where pip's configuration names an index of your own.
+# against ~2 min 45 s on 2 cores, most of it torch's CUDA wheels; --compile-bytecode writes the .pyc files
+# as pip does, not each launch's first ranks at once. uv reads no pip.conf: `make INSTALLER=pip` where pip's
+# configuration names an index of your own.
 # The last step builds DeepSpeed's CPU comm op now (~1 min on 2 cores) rather than in the first launch, whose
 # ranks would both wait on torch's build lock; a GPU build of DeepSpeed has none to build
 INSTALLER ?= uv
@@ -17,7 +18,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	python3 -m venv $(VENV)
 ifeq ($(INSTALLER),uv)
 	$(PY) -m pip install -q uv
-	$(VENV)/bin/uv pip install -q --python $(PY) torch==2.14.1 torchvision==0.29.1 -e '.[dev]'
+	$(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode torch==2.14.1 torchvision==0.29.1 -e '.[dev]'
 else
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
