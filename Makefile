@@ -30,10 +30,10 @@ endif
 demo: $(VENV)/.installed
 	bash launchers/demo.sh
 
-# two pytest-xdist workers: the launched tests one after another on one, the in-process tests on one
-# thread beside them on the other (tests/conftest.py pytest_xdist_make_scheduler)
+# three pytest-xdist workers: the launched tests one after another on one, the in-process tests on one
+# thread each on the other two, a module at a time, in the time the launches leave (tests/conftest.py)
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 --durations=15
+	$(PY) -m pytest -q -n 3 --durations=15
 
 # the edit-test loop: the in-process tests but the slowest (tests/conftest.py SLOW), none that launches
 # ranks (tests/launched/)

@@ -4,6 +4,7 @@ session, and the rank pool that starts ranks in seconds (tests/launching.py says
 Stand-in loaders, the toy config and its Trainer are in tests/stand_ins.py; launches in tests/launching.py.
 """
 
+import contextlib
 import os
 
 # nothing may reach the hub; set before anything imports huggingface_hub (which reads it once), and the
@@ -86,25 +87,93 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+#: the in-process modules that take longest (seconds on one core beside the launched stream, ``make test``
+#: on the 2-core CI machine): handed out first, so that none is left to the end on one worker. The rest
+#: take under 10 s each
+LONGEST_IN_PROCESS = {
+    "tests/test_tune.py": 110,
+    "tests/test_cached_step.py": 105,
+    "tests/test_resume.py": 55,
+    "tests/test_nonfinite.py": 40,
+    "tests/test_benchmarks.py": 31,
+    "tests/launched/test_export_isolated.py": 30,
+    "tests/launched/test_bench_data.py": 28,
+    "tests/test_export_eva.py": 25,
+    "tests/test_epoch_coverage.py": 20,
+    "tests/test_corrupt_data.py": 18,
+    "tests/test_step_hooks.py": 17,
+    "tests/test_temperature_rules.py": 16,
+    "tests/test_data.py": 16,
+    "tests/test_eva_checkpoint.py": 13,
+    "tests/test_eval_results.py": 13,
+    "tests/test_image_transform.py": 12,
+}
+#: the autogroup niceness of a worker running in-process tests (see _yield_to_launches)
+IN_PROCESS_NICE = 10
+
+
+def launches_ranks(nodeid: str) -> bool:
+    """A test of the launched stream: a module of tests/launched/ that starts ranks."""
+    module = nodeid.split("::", 1)[0]
+    return module.startswith("tests/launched/") and module not in ONE_PROCESS_AT_A_TIME
+
+
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown where it is not installed
 def pytest_xdist_make_scheduler(config, log):
-    """Under pytest-xdist (``make test``: ``-n 2``), two streams, a worker each: one runs the launched tests
-    one after another (their ranks take both cores in turns), the other the in-process tests beside it.
+    """Under pytest-xdist (``make test``: ``-n 3``): one worker runs the launched tests one after another
+    (their ranks take both cores in turns); the others the in-process tests, a module at a time, the
+    longest first, in the time the launches leave (_yield_to_launches).
     (pytest-xdist's own ``--dist loadgroup`` does not group under pytest 9.2: its group names never reach
     the scheduler.)"""
     from xdist.scheduler import LoadScopeScheduling
 
-    class TwoStreams(LoadScopeScheduling):
+    class LaunchedAndModules(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            launches = module.startswith("tests/launched/") and module not in ONE_PROCESS_AT_A_TIME
-            return "launched" if launches else "in_process"
+            return "launched" if launches_ranks(nodeid) else nodeid.split("::", 1)[0]
 
-    return TwoStreams(config, log)
+    config.option.loadscopereorder = False  # the collection's order (pytest_collection_modifyitems)
+    return LaunchedAndModules(config, log)
+
+
+_yielded = []
+
+
+def pytest_runtest_setup(item):
+    if os.environ.get("PYTEST_XDIST_WORKER") and not _yielded and not launches_ranks(item.nodeid):
+        _yielded.append(True)
+        _yield_to_launches()
+
+
+def _yield_to_launches() -> None:
+    """A worker of in-process tests gives the CPU to the launched stream's ranks first: it moves to a
+    session of its own, whose autogroup it nices (Linux schedules each session's autogroup as one task,
+    and every launch is a session of its own: the ranks' nice values alone do not count against another
+    session), and nices itself for kernels without autogroups. Its tests then run on what the launches
+    leave: the start-ups, the waits on a signal or a timeout, and both cores once the launches are done."""
+    import time
+
+    with contextlib.suppress(OSError):
+        os.setsid()
+        for _ in range(50):  # the kernel takes one autogroup change every 0.1 s (EAGAIN)
+            try:
+                with open("/proc/self/autogroup", "w") as autogroup:
+                    autogroup.write(str(IN_PROCESS_NICE))
+                break
+            except BlockingIOError:
+                time.sleep(0.1)
+    os.nice(IN_PROCESS_NICE)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark SLOW's tests ``slow``."""
+    """Mark SLOW's tests ``slow``; the launched stream's tests first, then the in-process modules, the
+    longest first (LONGEST_IN_PROCESS), each module's tests in their order."""
+    order = {item.nodeid: i for i, item in enumerate(items)}
+
+    def key(item):
+        module = item.nodeid.split("::", 1)[0]
+        return (not launches_ranks(item.nodeid), -LONGEST_IN_PROCESS.get(module, 0), order[item.nodeid])
+
+    items.sort(key=key)
     named = set()
     for item in items:
         name = f"{item.path.stem}::{getattr(item, 'originalname', item.name)}"

@@ -54,7 +54,9 @@ def train_args(*sets: str, config: str = "configs/toy.json") -> list[str]:
 
 class Launch:
     """``deepspeed --num_gpus RANKS --master_port FREE PROGRAM...`` from the repository root, its output in
-    ``log``. PROGRAM: ``["--module", "eva_fastclip", ...]`` or ``[SCRIPT, ...]``."""
+    ``log``. PROGRAM: ``["--module", "eva_fastclip", ...]`` or ``[SCRIPT, ...]``. With ``script`` (one of
+    launchers/, which takes ``NUM_GPUS`` and ``MASTER_PORT`` from the environment): ``SCRIPT PROGRAM...``,
+    PROGRAM its arguments (``CONFIG [train options]``); it execs the same command."""
 
     def __init__(
         self,
@@ -64,13 +66,18 @@ class Launch:
         *,
         env: dict[str, str] | None = None,
         preexec_fn=None,
+        script: Path | None = None,
     ) -> None:
-        deepspeed = str(Path(sys.executable).parent / "deepspeed")
         self.log, self.port = Path(log), free_port()
+        if script is None:
+            deepspeed = str(Path(sys.executable).parent / "deepspeed")
+            command = [deepspeed, "--num_gpus", str(ranks), "--master_port", str(self.port), *program]
+        else:
+            command = [str(script), *program]
+            env = {**(env or {}), "NUM_GPUS": str(ranks), "MASTER_PORT": str(self.port)}
         self._out = open(self.log, "w")  # noqa: SIM115 (closed in wait)
         self.proc = subprocess.Popen(
-            [deepspeed, "--num_gpus", str(ranks), "--master_port", str(self.port), *program],
-            cwd=REPO, env=launcher_env(env), stdout=self._out, stderr=subprocess.STDOUT,
+            command, cwd=REPO, env=launcher_env(env), stdout=self._out, stderr=subprocess.STDOUT,
             start_new_session=True, preexec_fn=preexec_fn,
         )  # fmt: skip
         sets = [arg.split("=", 1) for arg in program if "=" in arg]
@@ -172,9 +179,30 @@ def cmdline(process: psutil.Process) -> list[str]:
         return []
 
 
+def still_running(processes: Sequence[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Those of ``processes`` still running after up to ``timeout`` s; each taken to have ended once it is
+    gone or a zombie. (A zombie runs nothing and holds nothing but its pid until its parent waits for it;
+    an orphan's parent is PID 1, which on some machines reaps every few seconds: ~7 s on the firecracker
+    VMs these tests run on, where ``psutil.wait_procs`` counted that wait into every shutdown timed.)"""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in processes if _running(p)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def all_gone(processes: list[psutil.Process], timeout: float) -> float:
-    """Seconds until every process has ended; fails naming those left after ``timeout``."""
+    """Seconds until every process has ended (:func:`still_running`); fails naming those left after
+    ``timeout``."""
     started = time.monotonic()
-    _, alive = psutil.wait_procs(processes, timeout=timeout)
+    alive = still_running(processes, timeout)
     assert not alive, f"left behind: {[(p.pid, cmdline(p)[-6:]) for p in alive]}"
     return time.monotonic() - started

@@ -643,3 +643,28 @@ def test_dry_run_says_where_the_sizes_come_from(toy_dir, tmp_path, capsys):
     missing = ["--set", f'data.train_shards=["{toy_dir / "nowhere"}"]', "--dry-run"]
     assert main([*argv, *missing]) == 2  # printed, and an error
     assert "shards do not exist" in json.loads(capsys.readouterr().out)["data"]["not_checked"]
+
+
+def test_a_thread_started_with_thread_keeps_the_fork_server_from_being_forked():
+    """fork_worker_server forks the rank only while no other thread runs Python (one could hold a lock the
+    forked server needs): a thread of ``_thread`` (execnet's, in a pytest-xdist worker) counts, though
+    ``threading.active_count()`` misses it. A worker forked from a server forked beside execnet's
+    thread waited for its loader for good once."""
+    import _thread
+    import threading
+
+    from eva_fastclip.data.workers import other_python_threads
+
+    before, started, release = threading.active_count(), threading.Event(), threading.Event()
+
+    def hold():
+        started.set()
+        release.wait(30)
+
+    ident = _thread.start_new_thread(hold, ())
+    started.wait(30)
+    try:
+        assert threading.active_count() == before
+        assert f"thread {ident}" in other_python_threads()
+    finally:
+        release.set()

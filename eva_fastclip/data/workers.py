@@ -75,7 +75,7 @@ def fork_worker_server() -> None:
     if (
         sys.version_info[:2] > (3, 12)
         or not sys.platform.startswith("linux")
-        or threading.active_count() > 1  # a helper thread could hold a lock the forked server needs
+        or other_python_threads()  # one could hold a lock the forked server needs
         or torch.cuda.is_initialized()
         or not all(hasattr(server, name) for name in attributes)
         or server._forkserver_pid is not None
@@ -102,6 +102,15 @@ def fork_worker_server() -> None:
     listener.close()
     os.close(alive_r)
     server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+
+
+def other_python_threads() -> list[str]:
+    """The names of this process's other threads that run Python: those of ``threading`` and those started
+    with ``_thread`` (execnet's, under pytest-xdist), which ``threading.active_count()`` does not count.
+    (Native threads, such as the one importing torch starts, hold no Python lock.)"""
+    here = threading.get_ident()
+    named = {thread.ident: thread.name for thread in threading.enumerate()}
+    return [named.get(ident, f"thread {ident}") for ident in sys._current_frames() if ident != here]
 
 
 @functools.cache

@@ -1,7 +1,8 @@
 """Two ranks on CPU: train, checkpoint, resume, evaluate, export.
 
-Two launches in all, shared by every test in this module: the user's command through the real
-``deepspeed`` launcher, then its resume from the rank pool (tests/launching.py). FastCLIP-v3 (per-sample
+Two launches in all, shared by every test in this module: the user's command through
+``launchers/single_node.sh`` and the real ``deepspeed`` launcher, then its resume from the rank pool
+(tests/launching.py). FastCLIP-v3 (per-sample
 state, the temperature controller, gamma's schedule): 30 steps, then resumed to 40, evaluated during
 training (every 20 steps, and at each run's end) on zero-shot, retrieval and an ImageNet folder of 3
 images, in batches of 6 (uneven shares; rank 1 holds no ImageNet image): every evaluated step equals one
@@ -17,7 +18,7 @@ from pathlib import Path
 import open_clip
 import pytest
 import torch
-from launching import Launch, run_ranks
+from launching import REPO, Launch, run_ranks
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -43,8 +44,11 @@ WNIDS = ("n01440764", "n01443537", "n15075141")  # tench, goldfish, toilet paper
 
 
 def launch(args: list[str], tmp: Path, name: str) -> str:
-    """Run ``deepspeed --num_gpus 2 --module eva_fastclip ...``; fail with the log if it fails."""
-    run = Launch(2, ["--module", "eva_fastclip", *args], tmp / f"{name}.log")
+    """Run ``NUM_GPUS=2 launchers/single_node.sh CONFIG ARGS...`` (``args``: ``train --config CONFIG
+    ARGS...``), which execs ``deepspeed --num_gpus 2 --module eva_fastclip train --config CONFIG ARGS...``;
+    fail with the log if it fails."""
+    assert args[:2] == ["train", "--config"], args
+    run = Launch(2, args[2:], tmp / f"{name}.log", script=REPO / "launchers" / "single_node.sh")
     try:
         code = run.wait(timeout=600)
     finally:

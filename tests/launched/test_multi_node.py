@@ -6,9 +6,10 @@ starts its own sshd on both (a free port, host and client keys it generates, not
 an ``ssh`` first on PATH that uses an ssh config of its own: the stand-in for the ``~/.ssh/config`` of a
 cluster user, which reaches both DeepSpeed's ssh check and pdsh, while the real ``~/.ssh`` is neither read
 nor changed. The run stopped by a SIGTERM to the ``deepspeed`` command is then resumed on one node with the
-same world size (``launchers/single_node.sh`` with 2 ranks); another number of ranks is
-tests/launched/test_resume.py's. Those two launches serve four tests; a rank killed on node 2 and the loss
-of that node at the restart share a run; a stopped rank has one of its own.
+same world size (2 ranks of the rank pool; ``launchers/single_node.sh``'s command line is
+tests/launched/test_launchers.py's); another number of ranks is tests/launched/test_resume_runs.py's.
+Those two launches serve four tests; a rank killed on node 2 and the loss of that node at the restart
+share a run; a stopped rank has one of its own.
 
 Skipped, saying why, where sshd or pdsh is missing (``.ci/run`` installs them: Debian packages
 openssh-server and pdsh).
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from launching import REPO, cmdline, free_port
+from launching import REPO, cmdline, free_port, run_ranks, still_running
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from eva_fastclip.checkpointing import checkpoint
@@ -116,21 +117,6 @@ def ssh(tmp_path_factory):
         for server in sshd.values():
             server.terminate()
             server.wait(timeout=30)
-
-
-def launch(cmd: list, *, cwd: Path, env: dict[str, str], log: Path) -> str:
-    """Run a launcher script; fail with its output if it fails."""
-    proc = subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        proc.terminate()  # DeepSpeed's runner then stops the ranks on every host, through pdsh
-        out, _ = proc.communicate(timeout=60)
-    log.write_text(out)
-    assert proc.returncode == 0, f"{Path(cmd[0]).name} failed:\n{out[-6000:]}"
-    return out
 
 
 def logged_steps(run_dir: Path) -> list[int]:
@@ -245,7 +231,7 @@ class FaultRun:
         send(rank)
         code = self.wait(timeout=300)
         runner_done = time.monotonic() - sent
-        _, alive = psutil.wait_procs(processes, timeout=max(1.0, 60 - runner_done))
+        alive = still_running(processes, timeout=max(1.0, 60 - runner_done))
         return code, runner_done, time.monotonic() - sent, [p for p in alive if p.is_running()]
 
     def latest_step(self) -> int:
@@ -276,11 +262,11 @@ def test_a_stopped_rank_on_the_second_node_ends_the_run_on_both(ssh, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def sigterm_run(ssh, tmp_path_factory):
+def sigterm_run(ssh, rank_pool, tmp_path_factory):
     """A scheduler's SIGTERM to the launch at step 7 (a FaultRun, checkpoints every 3 steps, 2 kept): what
-    it left, and then its checkpoint resumed on one node (single_node.sh, 2 ranks) for 2 more steps, with
-    no scheduled save between. The launch directory is the FaultRun's: multi_node.sh writes .deepspeed_env
-    there, not in the checkout."""
+    it left, and then its checkpoint resumed on one node (2 ranks of the rank pool: what is under test is
+    the two nodes' checkpoint, not a launcher) for 2 more steps, with no scheduled save between. The launch
+    directory is the FaultRun's: multi_node.sh writes .deepspeed_env there, not in the checkout."""
     tmp = tmp_path_factory.mktemp("sigterm")
     sshd_log_start = ssh["log"].stat().st_size
     run = FaultRun(ssh, tmp, steps=5000, train={"keep_checkpoints": 2})
@@ -289,7 +275,7 @@ def sigterm_run(ssh, tmp_path_factory):
     signalled = time.monotonic()
     run.proc.send_signal(signal.SIGTERM)  # multi_node.sh execs deepspeed: this is the runner
     run.wait(timeout=120)
-    _, alive = psutil.wait_procs(processes, timeout=60)
+    alive = still_running(processes, timeout=60)
     gone = time.monotonic() - signalled
     left = [(p.pid, cmdline(p)[-4:]) for p in alive if p.is_running()]  # named by the test, which fails
     for leftover in alive:  # out of the resume's way
@@ -299,21 +285,9 @@ def sigterm_run(ssh, tmp_path_factory):
     two_nodes = run.log.read_text()
     logged = len((run.out / "train_log.jsonl").read_text().splitlines())
     saved = run.latest_step()
-    one_node = launch(
-        [
-            REPO / "launchers" / "single_node.sh",
-            run.config,
-            "--set",
-            f"train.steps={saved + 2}",
-            "--set",
-            "train.save_every_steps=0",
-            "--resume",
-            "latest",
-        ],
-        cwd=tmp,
-        env={**run.env, "NUM_GPUS": "2", "MASTER_PORT": str(free_port())},
-        log=tmp / "one_node.log",
-    )
+    resume = ["--set", f"train.steps={saved + 2}", "--set", "train.save_every_steps=0", "--resume", "latest"]
+    program = ["--module", "eva_fastclip", "train", "--config", str(run.config), *resume]
+    one_node = run_ranks(2, program, tmp / "one_node.log", pool=rank_pool)
     return {
         "out": run.out,
         "work": tmp,
@@ -380,10 +354,9 @@ def test_resume_on_one_node_continues_from_the_saved_step(sigterm_run):
     one_node, saved, out = sigterm_run["logs"][1], sigterm_run["saved"], sigterm_run["out"]
     first = out / "checkpoints" / checkpoint.tag_for_step(saved)
     assert f"resumed from {first} at step {saved}" in one_node
-    assert "dist_world_size=2" in one_node
-    assert not any(line.startswith(HOSTS) for line in one_node.splitlines())  # no pdsh: one node
-    kept = [p.name for p in checkpoint.complete_checkpoints(out / "checkpoints")]
-    assert kept == [checkpoint.tag_for_step(saved), checkpoint.tag_for_step(saved + 2)]
+    kept = checkpoint.complete_checkpoints(out / "checkpoints")
+    assert [p.name for p in kept] == [checkpoint.tag_for_step(saved), checkpoint.tag_for_step(saved + 2)]
+    assert checkpoint.read_marker(kept[-1])["world_size"] == 2  # the two nodes' world, on one
     # the stopped run logged steps 1..saved (the stopped step's scalars before it saved), the resumed one
     # the next 2: each step in TensorBoard once
     assert sorted(logged_steps(out)) == list(range(1, saved + 3))
@@ -409,7 +382,7 @@ def test_a_killed_rank_ends_the_run_on_both_and_a_lost_node_is_left_out_on_resta
         ssh["sshd"][node2].kill()  # its listener: no new login (the launch's own sessions go on)
         ssh["sshd"][node2].wait(timeout=30)
         rank.kill()
-        _, alive = psutil.wait_procs(first_launch, timeout=60)
+        alive = still_running(first_launch, timeout=60)
         first_gone = time.monotonic() - lost
         while run.proc.poll() is None and time.monotonic() - lost < 600:
             resumed = re.search(r"restart 1 of 1: .* resuming from step (\d+)", run.log.read_text())
