@@ -147,11 +147,12 @@ def test_an_out_of_memory_probe_frees_what_it_held(toy, tmp_path):
 
     cfg = load_config(REPO / "configs/toy.json", toy_overrides(toy, tmp_path / "run"))
     ds = load_deepspeed_config(REPO / cfg.train.deepspeed_config)
-    candidate = Candidate(64, 2, "micro", False, 0, 1)
+    candidate = Candidate(16, 2, "micro", False, 0, 1)
     shape = dict(image_shape=(3, 64, 64), context_length=32, output_dir=str(tmp_path / "probe"))
     earlier = weakref.WeakSet(o for o in _objects() if isinstance(o, DeepSpeedEngine))
-    failed = model_probe(cfg, ds, candidate, limit=64 * MIB, steps=1, **shape)
-    assert failed.oom and failed.peak is None and "over the limit of 64.0 MiB" in failed.detail
+    # over the limit in the first forward (the engine built): 16 pairs of 64 px need ~180 MiB in all
+    failed = model_probe(cfg, ds, candidate, limit=48 * MIB, steps=1, **shape)
+    assert failed.oom and failed.peak is None and "over the limit of 48.0 MiB" in failed.detail
     made = [o for o in _objects() if isinstance(o, DeepSpeedEngine) and o not in earlier]
     assert not made  # the half-built engine too
     with StorageTracker(keep_peak_tensors=False) as after:
