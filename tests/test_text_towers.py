@@ -306,3 +306,15 @@ def test_lock_text_tower_on_open_clip_model_counts_frozen_tensors():
     model = open_clip.create_model(ARCH, force_custom_text=True)
     assert lock_text_tower(model) == len(text_parameters(model)) == 29
     _assert_locked(model)
+
+
+def test_models_of_one_architecture_share_its_tokenizer_and_it_tokenizes_as_open_clips_own():
+    """The BPE tokenizer is made once a process (models/factory.py open_clip_tokenizer): two models of one
+    architecture get the same one, which tokenizes as a tokenizer open_clip makes anew, a word it has
+    memoised as well as a new one."""
+    first, second = (create_model(ModelConfig(name=ARCH)).tokenizer for _ in range(2))
+    assert first is second
+    fresh = open_clip.get_tokenizer(ARCH)
+    texts = ["a photo of a red square", "an unusual wordthatneedsmerges"]
+    torch.testing.assert_close(first(texts), fresh(texts), rtol=0, atol=0)
+    torch.testing.assert_close(first(texts[::-1]), fresh(texts[::-1]), rtol=0, atol=0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,11 +71,19 @@ def create_model(
     if cfg.text_hf_model is not None:
         tokenizer = text_towers.hf_tokenizer(cfg.text_hf_model, text_kwargs["text_cfg"]["context_length"])
     else:
-        tokenizer = open_clip.get_tokenizer(cfg.name)
+        tokenizer = open_clip_tokenizer(cfg.name)
     size = model.visual.image_size
     height, width = (size, size) if isinstance(size, int) else tuple(size)
     embed_dim = open_clip.get_model_config(cfg.name)["embed_dim"]
     return ModelBundle(model, preprocess_train, preprocess_eval, tokenizer, embed_dim, (3, height, width))
+
+
+@functools.cache
+def open_clip_tokenizer(name: str) -> Callable:
+    """open_clip's tokenizer of the architecture ``name``, made once a process: CLIP's BPE tokenizer reads
+    and parses its 49k-merge vocabulary each time it is made (~0.2 s of CPU, more than the rest of a toy
+    model's Trainer), and it keeps nothing of a call but its memo of words already split."""
+    return open_clip.get_tokenizer(name)
 
 
 def set_grad_checkpointing(model: nn.Module, enable: bool) -> None:
