@@ -5,7 +5,9 @@ Stand-in loaders, the toy config and its Trainer are in tests/stand_ins.py; laun
 """
 
 import contextlib
+import functools
 import os
+import time
 
 # nothing may reach the hub; set before anything imports huggingface_hub (which reads it once), and the
 # same for every launched rank and the rank pool's server
@@ -135,23 +137,18 @@ def pytest_xdist_make_scheduler(config, log):
     return LaunchedAndModules(config, log)
 
 
-_yielded = []
-
-
 def pytest_runtest_setup(item):
-    if os.environ.get("PYTEST_XDIST_WORKER") and not _yielded and not launches_ranks(item.nodeid):
-        _yielded.append(True)
+    if os.environ.get("PYTEST_XDIST_WORKER") and not launches_ranks(item.nodeid):
         _yield_to_launches()
 
 
+@functools.cache  # once a worker
 def _yield_to_launches() -> None:
     """A worker of in-process tests gives the CPU to the launched stream's ranks first: it moves to a
     session of its own, whose autogroup it nices (Linux schedules each session's autogroup as one task,
     and every launch is a session of its own: the ranks' nice values alone do not count against another
     session), and nices itself for kernels without autogroups. Its tests then run on what the launches
     leave: the start-ups, the waits on a signal or a timeout, and both cores once the launches are done."""
-    import time
-
     with contextlib.suppress(OSError):
         os.setsid()
         for _ in range(50):  # the kernel takes one autogroup change every 0.1 s (EAGAIN)

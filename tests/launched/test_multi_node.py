@@ -232,7 +232,7 @@ class FaultRun:
         code = self.wait(timeout=300)
         runner_done = time.monotonic() - sent
         alive = still_running(processes, timeout=max(1.0, 60 - runner_done))
-        return code, runner_done, time.monotonic() - sent, [p for p in alive if p.is_running()]
+        return code, runner_done, time.monotonic() - sent, alive
 
     def latest_step(self) -> int:
         latest = checkpoint.resolve_resume("latest", self.out / "checkpoints")
@@ -277,7 +277,7 @@ def sigterm_run(ssh, rank_pool, tmp_path_factory):
     run.wait(timeout=120)
     alive = still_running(processes, timeout=60)
     gone = time.monotonic() - signalled
-    left = [(p.pid, cmdline(p)[-4:]) for p in alive if p.is_running()]  # named by the test, which fails
+    left = [(p.pid, cmdline(p)[-4:]) for p in alive]  # named by the test, which fails
     for leftover in alive:  # out of the resume's way
         with contextlib.suppress(psutil.NoSuchProcess):
             leftover.kill()
