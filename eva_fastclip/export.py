@@ -67,6 +67,13 @@ def export_open_clip(folder: Path, output: Path, verify: bool = True) -> dict[st
     return _export_folder(folder, output, verify)
 
 
+def _logit_bias_kwargs(state_dict: dict[str, torch.Tensor]) -> dict[str, float]:
+    """open_clip's ``init_logit_bias`` for a model trained with one (SigLIP): the keyword that makes
+    open_clip build the ``logit_bias`` parameter its weights fill (the trained value, so a config that
+    carries it alone also says it)."""
+    return {"init_logit_bias": state_dict["logit_bias"].item()} if "logit_bias" in state_dict else {}
+
+
 def _export_state_dict(folder: Path, output: Path, verify: bool) -> dict[str, Any]:
     state_dict = to_open_clip_state_dict(consolidated_state_dict(folder))
     model_cfg = checkpoint.saved_settings(folder)["config"]["model"]
@@ -76,7 +83,8 @@ def _export_state_dict(folder: Path, output: Path, verify: bool) -> dict[str, An
     torch.save(state_dict, tmp)
     try:
         if verify:
-            _verify_open_clip_load(tmp, arch, model_cfg.get("text_hf_model"))
+            extra = _logit_bias_kwargs(state_dict)
+            _verify_open_clip_load(tmp, arch, model_cfg.get("text_hf_model"), extra)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -84,7 +92,7 @@ def _export_state_dict(folder: Path, output: Path, verify: bool) -> dict[str, An
     return {"output": str(output), "format": "state dict", "architecture": arch, "tensors": len(state_dict)}
 
 
-def _verify_open_clip_load(path: Path, arch: str, text_hf_model: str | None) -> None:
+def _verify_open_clip_load(path: Path, arch: str, text_hf_model: str | None, extra: dict) -> None:
     import open_clip
 
     from eva_fastclip.models import text_towers  # (also registers the shipped architectures)
@@ -93,7 +101,7 @@ def _verify_open_clip_load(path: Path, arch: str, text_hf_model: str | None) -> 
     kwargs = (
         text_towers.hf_text_model_kwargs(arch, text_hf_model, load_weights=False) if text_hf_model else {}
     )
-    open_clip.create_model(arch, pretrained=str(path), **kwargs)  # strict: raises on an unmatched key
+    open_clip.create_model(arch, pretrained=str(path), **kwargs, **extra)  # strict: raises on a stray key
 
 
 def _export_folder(folder: Path, output: Path, verify: bool) -> dict[str, Any]:
@@ -121,8 +129,10 @@ def _export_folder(folder: Path, output: Path, verify: bool) -> dict[str, Any]:
             )
         hf_kwargs = text_towers.hf_text_model_kwargs(arch, text_hf_model, load_weights=False)
     # built as training built it (so its preprocess_cfg is the training one), then the trained weights
-    model = open_clip.create_model(arch, pretrained_text=False, **hf_kwargs).eval()
-    model.load_state_dict(to_open_clip_state_dict(consolidated_state_dict(folder)), strict=True)
+    state_dict = to_open_clip_state_dict(consolidated_state_dict(folder))
+    bias = _logit_bias_kwargs(state_dict)
+    model = open_clip.create_model(arch, pretrained_text=False, **hf_kwargs, **bias).eval()
+    model.load_state_dict(state_dict, strict=True)
 
     tmp = output.with_name(output.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # left by an export that was killed
@@ -136,7 +146,7 @@ def _export_folder(folder: Path, output: Path, verify: bool) -> dict[str, Any]:
         trunk = _write_trunk_standin(model, tmp)
 
         def write_config(home: Path) -> None:  # save_config_for_hf adds the model's preprocess_cfg
-            model_cfg = standalone_model_config(arch, hf_kwargs.get("text_cfg"), trunk, home)
+            model_cfg = standalone_model_config(arch, hf_kwargs.get("text_cfg"), trunk, home) | bias
             save_config_for_hf(model, tmp / HF_CONFIG_NAME, model_config=model_cfg)
 
         if verify:  # as it stands in the temporary folder, then its paths name the final one

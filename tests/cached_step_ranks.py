@@ -32,26 +32,36 @@ LOSSES = {
     "isogclr": ["loss.name=isogclr"],  # individual tau_i
     "sogclr": ["loss.name=sogclr"],  # fixed tau
     "openclip": ["loss.name=openclip"],  # InfoNCE, learnable tau
+    "siglip": ["loss.name=siglip", "loss.temperature_init=0.1"],  # sigmoid, learnable t and b
 }
-#: what the 2-rank launch runs: (loss, ZeRO stage); each 2 ranks x 4 micro-batches of 4, global
-LAUNCHED = [(loss, 1) for loss in LOSSES] + [("fastclip_v3", 0), ("fastclip_v3", 2), ("openclip", 2)]
+#: what the 2-rank launch runs: (loss, ZeRO stage); each 2 ranks x 4 micro-batches of 4, global (SigLIP's
+#: 2-rank layouts are SIGLIP_LAYOUTS')
+LAUNCHED = [(loss, 1) for loss in LOSSES if loss != "siglip"]
+LAUNCHED += [("fastclip_v3", 0), ("fastclip_v3", 2), ("openclip", 2)]
+#: SigLIP on SIGLIP_DATASET pairs (3 fp32 steps, 50% masking) against 1 rank x one micro-batch of them:
+#: 2-rank layout -> (micro-batch, micro-batches, train.contrastive_batch)
+SIGLIP_DATASET = 128
+SIGLIP_LAYOUTS = {
+    "2x64": (64, 1, "global"),
+    "2x4x16_global": (16, 4, "global"),
+    "2x4x16_micro": (16, 4, "micro"),
+}
 
 
-def step_pairs() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def step_pairs(dataset: int = DATASET) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """STEPS steps: every pair's image and tokens (by dataset index), and the step's order of the pairs."""
     g = torch.Generator().manual_seed(0)
-    images = torch.randn(DATASET, 3, 32, 32, generator=g)
-    tokens = torch.randint(1, 49000, (DATASET, 16), generator=g)
-    return [(images, tokens, torch.randperm(DATASET, generator=g)) for _ in range(STEPS)]
+    images = torch.randn(dataset, 3, 32, 32, generator=g)
+    tokens = torch.randint(1, 49000, (dataset, 16), generator=g)
+    return [(images, tokens, torch.randperm(dataset, generator=g)) for _ in range(STEPS)]
 
 
 class StandIn:
     """A loader the Trainer accepts; the micro-batches are fed to train_step by hand."""
 
-    dataset_size = num_samples = DATASET
-
-    def __init__(self, micro_batches: int) -> None:
+    def __init__(self, micro_batches: int, dataset: int = DATASET) -> None:
         self.num_batches = micro_batches  # one optimizer step an epoch
+        self.dataset_size = self.num_samples = dataset
 
     def set_epoch(self, epoch):
         pass
@@ -69,6 +79,7 @@ def make_trainer(
     stage: int = 1,
     patch_dropout: float = 0.5,
     model: str = "test-vit-xs",
+    dataset: int = DATASET,
 ) -> Trainer:
     ds = json.loads(Path("ds_configs/zero1_fp32_lamb.json").read_text())
     ds["zero_optimization"]["stage"] = stage
@@ -88,7 +99,7 @@ def make_trainer(
             "eval.retrieval_shards=null",
         ],
     )
-    return build_trainer(cfg, ds, loader=StandIn(accum))
+    return build_trainer(cfg, ds, loader=StandIn(accum, dataset))
 
 
 def run(trainer: Trainer, steps=None) -> dict:
@@ -131,19 +142,41 @@ def one_micro_batch(loss: str, folder: Path) -> dict:
     return _ONE_MICRO_BATCH[loss]
 
 
+def siglip_one_micro_batch(folder: Path) -> dict:
+    """SigLIP's reference for SIGLIP_LAYOUTS: 1 rank x one micro-batch of SIGLIP_DATASET pairs."""
+    key = f"siglip_{SIGLIP_DATASET}"
+    if key not in _ONE_MICRO_BATCH:
+        trainer = make_trainer(folder / key, "siglip", SIGLIP_DATASET, 1, dataset=SIGLIP_DATASET)
+        _ONE_MICRO_BATCH[key] = run(trainer, step_pairs(SIGLIP_DATASET))
+    return _ONE_MICRO_BATCH[key]
+
+
 def two_ranks(out: Path) -> None:
     """Every rank of the launch: each configuration of LAUNCHED, 4 micro-batches of DATASET/(4K) pairs on
-    each of the K ranks."""
+    each of the K ranks; then SigLIP's SIGLIP_LAYOUTS."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     per_rank = DATASET // world
     for loss, stage in LAUNCHED:
         name = f"{loss}_zero{stage}"
         trainer = make_trainer(out / f"{name}_run", loss, micro=per_rank // 4, accum=4, stage=stage)
         torch.save(run(trainer), out / f"{name}_rank{rank}.pt")
+    for name, (micro, accum, contrastive) in SIGLIP_LAYOUTS.items():
+        trainer = make_trainer(
+            out / f"siglip_{name}_run", "siglip", micro, accum, contrastive, dataset=SIGLIP_DATASET
+        )
+        torch.save(run(trainer, step_pairs(SIGLIP_DATASET)), out / f"siglip_{name}_rank{rank}.pt")
 
 
 #: how close the states must be, of each tensor's norm (tests/test_cached_step.py's docstring)
 RTOL = 1e-4
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    """The largest difference of the module's weights, relative to each one's norm."""
+    return max(
+        ((a["engine"][name][3] - b["engine"][name][3]).norm() / b["engine"][name][3].norm()).item()
+        for name in b["engine"]
+    )
 
 
 def assert_same_state(got: dict, want: dict, label: str, tables: tuple | None = None) -> None:

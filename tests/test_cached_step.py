@@ -105,14 +105,6 @@ def test_one_micro_batch_of_a_cached_step_is_the_plain_loss():
 # ---- the Trainer and the engine, one process ---------------------------------------------------------
 
 
-def relative_difference(a: dict, b: dict) -> float:
-    """The largest difference of the module's weights, relative to each one's norm."""
-    return max(
-        ((a["engine"][name][3] - b["engine"][name][3]).norm() / b["engine"][name][3].norm()).item()
-        for name in b["engine"]
-    )
-
-
 @pytest.fixture(scope="module")
 def one_micro_batch(tmp_path_factory):
     """The reference of every loss: 1 rank x one micro-batch of all 32 pairs (ZeRO-1, 50% masking)."""
@@ -234,12 +226,16 @@ def test_one_micro_batch_a_step_takes_the_plain_step(tmp_path, caplog):
     assert isinstance(trainer.contrastive_step, MicroBatchStep) and "holds the features" not in caplog.text
 
 
-@pytest.mark.parametrize("loss", ["fastclip_v3", "openclip"])
+@pytest.mark.parametrize("loss", ["fastclip_v3", "openclip", "siglip"])
 def test_micro_takes_another_step(loss, one_micro_batch, tmp_path):
     """The converse: with ``micro`` the same 4 micro-batches of 8 see 8 pairs each, and the step is not
     the one-micro-batch step (OpenCLIP: another objective; the compositional losses: other g and u)."""
     micro = layouts.run(layouts.make_trainer(tmp_path, loss, 8, 4, contrastive="micro"))
-    assert relative_difference(micro, one_micro_batch[loss]) > 0.1
+    # SigLIP at its init (b = -10) weighs each negative by about e^-10 beside its positives, which every
+    # layout scores alike: its micro step is nearer (0.6% here) yet 50 times the tolerance away
+    assert layouts.relative_difference(micro, one_micro_batch[loss]) > (
+        10 * layouts.RTOL if loss == "siglip" else 0.1
+    )
 
 
 def test_batch_norm_statistics_move_once_per_micro_batch(tmp_path):

@@ -134,7 +134,6 @@ class SleepingBatches:
         self.num_batches, self.dataset_size, self.num_samples = 6, 64, 64
         self.delivery_seconds = []  # each batch's time inside the loader: the sleep, plus any overrun
 
-
     def set_epoch(self, epoch):
         pass
 

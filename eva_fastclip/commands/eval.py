@@ -56,7 +56,7 @@ def run(args) -> int:
     from eva_fastclip.evaluation import evaluate_datacomp, format_datacomp
     from eva_fastclip.export import consolidated_state_dict
     from eva_fastclip.losses import Gatherer
-    from eva_fastclip.models import create_model
+    from eva_fastclip.models import SCALAR_PARAMETERS, create_model
 
     if args.suite and not args.datasets_root:
         raise ValueError(
@@ -65,7 +65,7 @@ def run(args) -> int:
     if args.precision != "fp32" and not args.suite:
         raise ValueError("--precision applies to --suite; the eval.* sets run in fp32")
     cfg = load_config(args.config, args.overrides)
-    bundle = create_model(cfg.model)
+    bundle = create_model(cfg.model, logit_bias_init=cfg.loss.logit_bias_init)  # a trained SigLIP's bias
     path = Path(args.checkpoint)
     if (path / HF_SAFE_WEIGHTS_NAME).is_file():  # an exported open_clip folder
         import safetensors.torch
@@ -75,8 +75,9 @@ def run(args) -> int:
         state_dict = consolidated_state_dict(path)
     else:
         state_dict = torch.load(path, map_location="cpu")
-    if "logit_scale" in state_dict:
-        state_dict["logit_scale"] = state_dict["logit_scale"].reshape(bundle.model.logit_scale.shape)
+    for name in SCALAR_PARAMETERS:  # open_clip's 0-dim, ours [1]
+        if name in state_dict and getattr(bundle.model, name, None) is not None:
+            state_dict[name] = state_dict[name].reshape(getattr(bundle.model, name).shape)
     bundle.model.load_state_dict(state_dict, strict=True)
     device = join_eval_ranks()
     model, collectives = bundle.model.to(device), Gatherer.from_process_group()

@@ -123,6 +123,8 @@ class DataConfig:
 #: individual_momentum (iSogCLR's own rule).
 LOSS_DEFAULTS: dict[str, dict[str, Any]] = {
     "openclip": {"temperature_rule": "learnable", "temperature_init": 0.07},
+    # SigLIP (Zhai et al. 2023, section 3.1; open_clip's SigLIP configs, init_logit_bias): t = 10, b = -10
+    "siglip": {"temperature_rule": "learnable", "temperature_init": 0.1, "logit_bias_init": -10.0},
     "sogclr": {
         "temperature_rule": "fixed",
         "temperature_init": 0.07,
@@ -157,7 +159,17 @@ LOSS_DEFAULTS: dict[str, dict[str, Any]] = {
 _RULE_DEFAULTS: dict[tuple[str, str], dict[str, Any]] = {
     ("isogclr", "individual_momentum"): {"temperature_lr": 0.03},
 }
-#: Defaults shared by the compositional losses (every name but "openclip").
+#: Keys only the compositional losses read (per-sample state, their temperature rules): set under
+#: loss.name=siglip, a config meant for another loss is stopped by name. siglip's own keys -> its name.
+_COMPOSITIONAL_ONLY_KEYS = (
+    "temperature_lr", "temperature_lr_drop_below", "temperature_lr_drop_factor", "temperature_lr_drop_rule",
+    "temperature_betas", "temperature_momentum", "temperature_grad_clip", "gamma_schedule", "gamma_min",
+    "gamma_decay_epochs", "rho", "eps", "tau_gradient",
+)  # fmt: skip
+_SIGLIP_ONLY_KEYS = ("logit_bias_init",)
+#: losses without per-sample state or an inner rate: the mini-batch ones
+MINI_BATCH_LOSSES = ("openclip", "siglip")
+#: Defaults shared by the compositional losses (every name but "openclip" and "siglip").
 _COMPOSITIONAL_DEFAULTS: dict[str, Any] = {
     "gamma_schedule": "cosine",
     "gamma_min": 0.2,
@@ -184,7 +196,8 @@ LAMB_TRUST_RATIOS = ("per_tensor", "per_zero_partition")
 @dataclass(kw_only=True, slots=True)
 class LossConfig:
     name: str = "openclip"
-    """openclip, sogclr, isogclr, fastclip_v0, fastclip_v1, fastclip_v2 or fastclip_v3 (docs/losses.md)."""
+    """openclip, siglip, sogclr, isogclr, fastclip_v0, fastclip_v1, fastclip_v2 or fastclip_v3
+    (docs/losses.md)."""
     temperature_rule: str | None = None
     """fixed, learnable, rgcl_g, individual_adam or individual_momentum; null: the loss's own rule."""
     temperature_init: float | None = None
@@ -225,12 +238,16 @@ class LossConfig:
     """rgcl_g only: "fastclip_code" (FastCLIP's code: the surrogate's tau-derivative counted twice, log u
     without eps; its published v3 runs and rho values) or "exact" (the gradient of RGCL-g; docs/losses.md);
     null: fastclip_code for rgcl_g, exact for every other rule."""
+    logit_bias_init: float | None = None
+    """siglip only: the initial bias b of the sigmoid's logits, a learned model parameter (SigLIP: -10,
+    with the scale t = 1/temperature_init = 10)."""
 
     def __post_init__(self) -> None:
         if self.name not in LOSS_DEFAULTS:
             raise ConfigError(f"loss.name={self.name!r} is unknown; choose one of {sorted(LOSS_DEFAULTS)}")
+        self._check_keys_of_other_losses()
         defaults = dict(LOSS_DEFAULTS[self.name])
-        if self.name != "openclip":
+        if self.is_compositional:
             defaults = {**_COMPOSITIONAL_DEFAULTS, **defaults}
         rule = self.temperature_rule or defaults["temperature_rule"]
         defaults.update(_RULE_DEFAULTS.get((self.name, rule), {}))
@@ -239,8 +256,8 @@ class LossConfig:
                 setattr(self, key, value)
         if self.temperature_rule not in TEMPERATURE_RULES:
             raise ConfigError(f"loss.temperature_rule must be one of {TEMPERATURE_RULES}")
-        if self.name == "openclip" and self.temperature_rule not in ("fixed", "learnable"):
-            raise ConfigError("loss.name=openclip supports temperature_rule fixed or learnable")
+        if not self.is_compositional and self.temperature_rule not in ("fixed", "learnable"):
+            raise ConfigError(f"loss.name={self.name} supports temperature_rule fixed or learnable")
         if self.temperature_rule.startswith("individual") != (self.name in ("fastclip_v2", "isogclr")):
             raise ConfigError(
                 f"loss.temperature_rule={self.temperature_rule} does not fit loss.name={self.name}: "
@@ -278,7 +295,7 @@ class LossConfig:
                 f"loss.temperature_lr_drop_rule must be one of {TEMPERATURE_LR_DROP_RULES}, "
                 f"got {self.temperature_lr_drop_rule!r}"
             )
-        if self.name != "openclip":
+        if self.is_compositional:
             if self.gamma_schedule not in ("cosine", "constant"):
                 raise ConfigError(
                     f"loss.gamma_schedule must be cosine or constant, got {self.gamma_schedule!r}"
@@ -297,6 +314,30 @@ class LossConfig:
             raise ConfigError(
                 f"loss.tau_gradient={self.tau_gradient} applies only to temperature_rule=rgcl_g "
                 f"(fastclip_v3), not {self.temperature_rule}: remove the key or set it to exact"
+            )
+
+    @property
+    def is_compositional(self) -> bool:
+        """Whether the loss keeps per-sample state (every loss but the mini-batch ones)."""
+        return self.name not in MINI_BATCH_LOSSES
+
+    def _check_keys_of_other_losses(self) -> None:
+        """A key set (not at its default) that this loss does not read stops the run, naming it."""
+        defaults = {
+            f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            for f in dataclasses.fields(self)
+        }
+        defaults["tau_gradient"] = "exact"  # what every rule but rgcl_g resolves it to (a saved config's)
+        if self.name == "siglip":
+            foreign = [k for k in _COMPOSITIONAL_ONLY_KEYS if getattr(self, k) not in (defaults[k], None)]
+            reader = "the compositional losses (sogclr, isogclr, fastclip_v0-v3)"
+        else:
+            foreign = [k for k in _SIGLIP_ONLY_KEYS if getattr(self, k) != defaults[k]]
+            reader = "loss.name=siglip"
+        if foreign:
+            raise ConfigError(
+                f"loss.{foreign[0]} is read only by {reader}, not by loss.name={self.name}: remove it "
+                "(a config written for another loss?)"
             )
 
 
@@ -517,7 +558,7 @@ class ExperimentConfig:
     def __post_init__(self) -> None:
         # FastCLIP: E ~ epochs / 2. With train.steps the epochs depend on the data and the ranks: the
         # trainer sets it (gamma_decay_epochs_for)
-        if self.loss.name != "openclip" and self.loss.gamma_decay_epochs is None and self.train.steps is None:
+        if self.loss.is_compositional and self.loss.gamma_decay_epochs is None and self.train.steps is None:
             self.loss.gamma_decay_epochs = gamma_decay_epochs_for(self.train.epochs)
 
     def to_dict(self) -> dict[str, Any]:

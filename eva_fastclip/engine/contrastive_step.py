@@ -86,10 +86,18 @@ def held_memory(layout, embed_dim: int, image_shape: tuple[int, ...], image_byte
 def _forward(
     engine, model_input: ModelInput, batch: MicroBatch, timed: Callable[[], contextlib.AbstractContextManager]
 ):
+    """The model's features and logit_scale, and its logit_bias when it has one (SigLIP's), all fp32."""
     with timed():  # the rank's own work, no collective: what tells a straggler (reliability/stragglers.py)
-        image_features, text_features, logit_scale = engine(model_input(batch.images), batch.tokens)[:3]
+        outputs = engine(model_input(batch.images), batch.tokens)
     # the loss runs in fp32 whatever the module's precision: logits of a large batch need the range
-    return image_features.float(), text_features.float(), logit_scale.float()
+    return tuple(output.float() for output in outputs[:4])
+
+
+def _loss_inputs(loss: ContrastiveLoss, outputs: tuple) -> tuple[tuple, dict]:
+    """The features and logit_scale as positional arguments, the logit_bias as a keyword for a loss that
+    takes one (a model without one gives None, which such a loss refuses by name)."""
+    extra = {"logit_bias": outputs[3] if len(outputs) > 3 else None} if loss.uses_logit_bias else {}
+    return outputs[:3], extra
 
 
 def _no_note(phase: str) -> None:
@@ -110,9 +118,9 @@ class MicroBatchStep:
         # the keys stay set over the backward: a checkpointed forward runs again there
         with keyed_masks(engine.module, batch.keys):
             note("forward")
-            image_features, text_features, logit_scale = _forward(engine, self.model_input, batch, self.timed)
+            outputs, extra = _loss_inputs(self.loss, _forward(engine, self.model_input, batch, self.timed))
             note("loss (its collectives: feature gather, per-sample state)")
-            out = self.loss(image_features, text_features, logit_scale, batch.indices)
+            out = self.loss(*outputs, batch.indices, **extra)
             note("backward (and its gradient reduction)")
             engine.backward(out.loss)
         boundary = engine.is_gradient_accumulation_boundary()
@@ -135,7 +143,7 @@ class CachedStep:
         self._running_stats = running_statistics(engine.module)
         self._saved_stats: list[torch.Tensor] = []
         self._held: list[MicroBatch] = []
-        self._features: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._features: list[tuple[torch.Tensor, ...]] = []
         self._rng: list[tuple] = []  # the generators' states before each pass-1 forward
 
     def add(self, batch: MicroBatch) -> tuple[list[LossOutput], bool]:
@@ -157,7 +165,7 @@ class CachedStep:
 
     def _step(self, held: list[MicroBatch], features: list, rng: list) -> list[LossOutput]:
         engine, loss = self.engine, self.loss
-        image_features, text_features, logit_scales = zip(*features)
+        image_features, text_features, logit_scales = zip(*(outputs[:3] for outputs in features))
         self.note("loss set-up (its collectives: feature gather, per-sample state)")
         loss.begin_cached_step(
             torch.cat(image_features),
@@ -173,10 +181,8 @@ class CachedStep:
                 _set_rng_state(rng[micro])  # the random draws of its pass 1
                 with keyed_masks(engine.module, batch.keys):
                     self.note("forward (pass 2)")
-                    image_features, text_features, logit_scale = _forward(
-                        engine, self.model_input, batch, self.timed
-                    )
-                    out = loss.cached_forward(image_features, text_features, logit_scale, micro)
+                    outputs, extra = _loss_inputs(loss, _forward(engine, self.model_input, batch, self.timed))
+                    out = loss.cached_forward(*outputs, micro, **extra)
                     self.note("backward (and its gradient reduction)")
                     engine.backward(out.loss)
                 self.note("optimizer step" if micro == len(held) - 1 else "micro-step")

@@ -236,7 +236,10 @@ class Trainer:
     # ---- set-up --------------------------------------------------------------------------------------
 
     def _build_model(self):
-        bundle = create_model(self.cfg.model, temperature_init=self.cfg.loss.temperature_init)
+        loss = self.cfg.loss
+        bundle = create_model(
+            self.cfg.model, temperature_init=loss.temperature_init, logit_bias_init=loss.logit_bias_init
+        )
         temperature = TemperatureController.from_config(self.cfg.loss)
         bundle.model.logit_scale.requires_grad_(temperature.learns_global)
         kernels = configure_kernels(bundle.model, self.device)  # swaps modules: before the optimizer exists

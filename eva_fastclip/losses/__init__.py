@@ -15,11 +15,13 @@ from eva_fastclip.losses.base import ContrastiveLoss, LossOutput
 from eva_fastclip.losses.compositional import CompositionalLoss
 from eva_fastclip.losses.gather import Gatherer
 from eva_fastclip.losses.openclip import OpenClipLoss
+from eva_fastclip.losses.siglip import SigLipLoss
 from eva_fastclip.losses.state import PerSampleTable
 
 #: every loss name the config accepts -> its class
 LOSSES: dict[str, type[ContrastiveLoss]] = {
-    name: OpenClipLoss if name == "openclip" else CompositionalLoss for name in LOSS_DEFAULTS
+    name: {"openclip": OpenClipLoss, "siglip": SigLipLoss}.get(name, CompositionalLoss)
+    for name in LOSS_DEFAULTS
 }
 
 
@@ -40,6 +42,8 @@ def build_loss(
         cfg = LossConfig(name=cfg, **overrides)
     if cfg.name == "openclip":
         return OpenClipLoss(gatherer)
+    if cfg.name == "siglip":
+        return SigLipLoss(gatherer)
     if dataset_size is None:
         raise ValueError(f"loss {cfg.name!r} keeps per-sample state: pass dataset_size")
     return CompositionalLoss(cfg, dataset_size=dataset_size, gatherer=gatherer, temperature=temperature)
@@ -53,5 +57,6 @@ __all__ = [
     "LossOutput",
     "OpenClipLoss",
     "PerSampleTable",
+    "SigLipLoss",
     "build_loss",
 ]

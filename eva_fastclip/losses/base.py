@@ -37,8 +37,12 @@ class ContrastiveLoss(nn.Module):
     """Base class: subclasses implement ``forward``; the hooks default to stateless no-ops.
 
     ``forward`` takes open_clip's outputs as they come: L2-normalised features and ``logit_scale``, the
-    multiplier 1/tau (already exponentiated), plus the pairs' dataset indices.
+    multiplier 1/tau (already exponentiated), plus the pairs' dataset indices. A loss whose
+    ``uses_logit_bias`` is true also takes the model's ``logit_bias`` (a keyword of ``forward`` and
+    ``cached_forward``: SigLIP's).
     """
+
+    uses_logit_bias = False
 
     def __init__(self, gatherer: Gatherer | None = None) -> None:
         super().__init__()

@@ -3,6 +3,7 @@ files, the token-masking switch and kernel selection."""
 
 from eva_fastclip.models.eva import VisionLoadReport, load_vision_checkpoint, load_vision_tower
 from eva_fastclip.models.factory import (
+    SCALAR_PARAMETERS,
     ModelBundle,
     create_model,
     make_logit_scale_1d,
@@ -10,6 +11,7 @@ from eva_fastclip.models.factory import (
 )
 
 __all__ = [
+    "SCALAR_PARAMETERS",
     "ModelBundle",
     "VisionLoadReport",
     "create_model",

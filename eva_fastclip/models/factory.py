@@ -32,11 +32,16 @@ class ModelBundle:
 
 
 def create_model(
-    cfg: ModelConfig, *, temperature_init: float = 0.07, device: str | torch.device = "cpu"
+    cfg: ModelConfig,
+    *,
+    temperature_init: float = 0.07,
+    logit_bias_init: float | None = None,
+    device: str | torch.device = "cpu",
 ) -> ModelBundle:
     """The open_clip model ``cfg.name`` with patch dropout, checkpointing and a 1-element logit_scale.
-    ``device="meta"`` (inside ``with torch.device("meta")``): its shapes only, no weights allocated or
-    initialised (tune's trace; no checkpoint may be named then)."""
+    ``logit_bias_init`` (SigLIP's loss.logit_bias_init) gives it open_clip's ``logit_bias`` parameter, which
+    its forward then returns after logit_scale. ``device="meta"`` (inside ``with torch.device("meta")``):
+    its shapes only, no weights allocated or initialised (tune's trace; no checkpoint may be named then)."""
     if cfg.name not in open_clip.list_models():
         raise ValueError(
             f"model.name={cfg.name!r} is not an open_clip architecture; known names include "
@@ -60,6 +65,8 @@ def create_model(
     if cfg.pretrained is None:
         with torch.no_grad():
             model.logit_scale.fill_(math.log(1.0 / temperature_init))
+    if logit_bias_init is not None:
+        add_logit_bias(model, logit_bias_init, keep_trained=cfg.pretrained is not None)
     if cfg.text_checkpoint is not None:  # OpenCLIP / OpenAI text weights; raises on any transformer gap
         text_towers.load_text_checkpoint(model, cfg.text_checkpoint, skip=cfg.text_checkpoint_skip)
     make_logit_scale_1d(model)
@@ -93,19 +100,37 @@ def set_grad_checkpointing(model: nn.Module, enable: bool) -> None:
     text_towers.set_text_grad_checkpointing(model, enable)
 
 
-def make_logit_scale_1d(model: nn.Module) -> None:
-    """Give open_clip's 0-dim logit_scale the shape [1]: DeepSpeed 0.19.8 cannot broadcast 0-dim params.
+#: open_clip's 0-dim parameters, which we train with the shape [1]
+SCALAR_PARAMETERS = ("logit_scale", "logit_bias")
 
-    ``export`` reshapes it back, and open_clip's own loader accepts either shape.
+
+def add_logit_bias(model: nn.Module, init: float, keep_trained: bool = False) -> None:
+    """open_clip's ``logit_bias`` at ``init``: created where the architecture has none (as open_clip's
+    ``init_logit_bias`` creates it), a trained one (``keep_trained``: from a checkpoint) left as it is."""
+    bias = getattr(model, "logit_bias", None)
+    if bias is None:
+        model.logit_bias = nn.Parameter(torch.full((), float(init), device=model.logit_scale.device))
+    elif not keep_trained:
+        with torch.no_grad():
+            bias.fill_(init)
+
+
+def make_logit_scale_1d(model: nn.Module) -> None:
+    """Give open_clip's 0-dim logit_scale (and logit_bias) the shape [1]: DeepSpeed 0.19.8 cannot
+    broadcast 0-dim params.
+
+    ``export`` reshapes them back, and open_clip's own loader accepts either shape.
     """
-    scale = model.logit_scale
-    if scale.ndim == 0:
-        model.logit_scale = nn.Parameter(scale.detach().reshape(1), requires_grad=scale.requires_grad)
+    for name in SCALAR_PARAMETERS:
+        param = getattr(model, name, None)
+        if param is not None and param.ndim == 0:
+            setattr(model, name, nn.Parameter(param.detach().reshape(1), requires_grad=param.requires_grad))
 
 
 def to_open_clip_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our training state dict in open_clip's own format (fp32, 0-dim logit_scale)."""
+    """Our training state dict in open_clip's own format (fp32, 0-dim logit_scale and logit_bias)."""
     out = {k: v.detach().float().cpu() for k, v in state_dict.items()}
-    if "logit_scale" in out:
-        out["logit_scale"] = out["logit_scale"].reshape(())
+    for name in SCALAR_PARAMETERS:
+        if name in out:
+            out[name] = out[name].reshape(())
     return out

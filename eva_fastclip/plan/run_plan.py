@@ -185,7 +185,7 @@ def _derived_config(
     train, loss = cfg.train, cfg.loss
     if train.global_batch is None and train.grad_accum_steps != layout.grad_accum_steps:
         train = dataclasses.replace(train, grad_accum_steps=layout.grad_accum_steps)
-    if loss.name != "openclip" and loss.gamma_decay_epochs is None and total and epoch_batches:
+    if loss.is_compositional and loss.gamma_decay_epochs is None and total and epoch_batches:
         # train.steps sets the run's length: as many epochs as its micro-batches take
         epochs = math.ceil(total * layout.grad_accum_steps / epoch_batches)
         loss = dataclasses.replace(loss, gamma_decay_epochs=gamma_decay_epochs_for(epochs))

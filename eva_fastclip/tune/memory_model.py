@@ -102,7 +102,7 @@ def footprint_of(
         reduce_bucket_size=int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET)),
         overlap_comm=bool(zero.get("overlap_comm", False)),
         contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
-        table_rows=table_rows if cfg.loss.name != "openclip" else 0,
+        table_rows=table_rows if cfg.loss.is_compositional else 0,
         table_fields=TABLE_FIELDS.get(rule, COMPOSITIONAL_FIELDS),
         activations=activations,
         device=device,
@@ -216,7 +216,12 @@ def _fake_model(cfg: ExperimentConfig, dtype: torch.dtype, fake) -> tuple[torch.
         text_checkpoint_skip=[],
     )
     with torch.device("meta"):
-        bundle = create_model(model_cfg, temperature_init=cfg.loss.temperature_init, device="meta")
+        bundle = create_model(
+            model_cfg,
+            temperature_init=cfg.loss.temperature_init,
+            logit_bias_init=cfg.loss.logit_bias_init,
+            device="meta",
+        )
     model = bundle.model
     configure_kernels(model, torch.device("cpu"))
     model.to(dtype=dtype).train()

@@ -149,7 +149,7 @@ class Tuner:
     def _table_rows(self) -> int:
         from eva_fastclip.plan import preflight
 
-        if self.cfg.loss.name == "openclip":
+        if not self.cfg.loss.is_compositional:
             return 0
         if self.cfg.data.index_size is not None:
             return self.cfg.data.index_size

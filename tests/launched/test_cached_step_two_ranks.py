@@ -44,6 +44,31 @@ def test_two_ranks_take_the_step_of_one_rank_with_the_whole_batch(two_ranks, los
         assert_same_state(got, want, f"{loss} ZeRO-{stage}, rank {rank} of 2 x 4 x 4", tables=table)
 
 
+def test_siglip_on_two_ranks_takes_the_step_of_one_rank_with_128_pairs_and_micro_does_not(
+    two_rank_suite, tmp_path
+):
+    """SigLIP, 128 pairs, 3 fp32 steps, 50% masking, against 1 rank x one micro-batch of 128 (made here):
+    2 ranks x 64 and 2 ranks x 4 micro-batches of 16 with ``global`` leave every tensor of the state
+    (weights, moments, t and b) within 1e-4 of its norm on both ranks, and log the same loss (the ranks'
+    mean); with
+    ``micro`` the step is another (its negatives are the micro-batch's: near at SigLIP's init, whose
+    negatives weigh ~e^-10, yet 10 times the tolerance away)."""
+    out = two_rank_suite("cached_step")
+    want = layouts.siglip_one_micro_batch(tmp_path)
+    for name, (_, _, contrastive) in layouts.SIGLIP_LAYOUTS.items():
+        ranks = [torch.load(out / f"siglip_{name}_rank{r}.pt") for r in range(2)]
+        for rank, got in enumerate(ranks):
+            if contrastive == "micro":
+                assert layouts.relative_difference(got, want) > 10 * layouts.RTOL, f"{name}, rank {rank}"
+                continue
+            assert_same_state(got, want, f"siglip {name}, rank {rank}")
+        if contrastive == "global":  # each rank logs its rows' share: their mean is the whole batch's loss
+            mean = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"])]
+            assert mean == pytest.approx(want["losses"], rel=1e-4)
+        assert "logit_bias" in ranks[0]["engine"]  # the bias is trained state, stepped like any weight
+        assert not torch.equal(ranks[0]["engine"]["logit_bias"][3], torch.tensor([-10.0]))
+
+
 def test_the_launch_is_not_vacuous(two_ranks):
     """Every sample's u was set by the 2-rank steps (each rank holds half of the table)."""
     ranks = two_ranks["fastclip_v3_zero1"]

@@ -35,6 +35,7 @@ PIECES = {
     "hardware": "test_engine_setup_two_ranks:agree_on_hardware",
     "data_wait": "test_data_wait_two_ranks:slowest_rank_of_two",
     "compositional": "test_compositional_distributed:two_ranks",
+    "siglip": "test_siglip_two_ranks:two_ranks",
     "lamb_zero": "test_lamb_zero_two_ranks:two_ranks",
     "accumulation": "accumulation_ranks:two_ranks",
     "cached_step": "cached_step_ranks:two_ranks",
