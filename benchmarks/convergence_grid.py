@@ -24,6 +24,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "sogclr": ("SogCLR", {"loss.name": "sogclr"}),
     "isogclr": ("iSogCLR", {"loss.name": "isogclr"}),
+    # SigLIP's t = 10 and b = -10 (its defaults: a base config's temperature_init would override t)
+    "siglip": ("SigLIP", {"loss.name": "siglip", "loss.temperature_init": 0.1}),
 }
 REFERENCE = "fastclip_v3"
 DEFAULT_MODEL = "bench-vit-xs"

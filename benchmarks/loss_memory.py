@@ -1,6 +1,8 @@
-"""Loss-step memory and collective traffic: our ``fastclip_v3`` loss against OpenCLIP's own ``ClipLoss``.
+"""Loss-step memory and collective traffic: our ``fastclip_v3`` loss against OpenCLIP's own ``ClipLoss``,
+or (``--loss siglip``) our SigLIP loss against open_clip's own ``SigLipLoss``.
 
     python -m benchmarks.loss_memory [--quick] [--output runs/bench/loss_memory.json]
+    python -m benchmarks.loss_memory --loss siglip --ranks 8 --sizes 4096 32768
 
 Two contestants run side by side in the same K spawned processes (gloo process group, one thread each; K=1
 in the benchmark's own process, on one thread):
@@ -8,6 +10,11 @@ in the benchmark's own process, on one thread):
 - **ours**: ``build_loss("fastclip_v3", gatherer=Gatherer(rank, K), dataset_size=B)``;
 - **openclip**: ``open_clip.loss.ClipLoss(local_loss=True, gather_with_grad=True, rank=r, world_size=K)``,
   OpenCLIP's own code, which calls ``torch.distributed.nn.all_gather`` itself.
+
+With ``--loss siglip``: **ours** ``build_loss("siglip", gatherer=Gatherer(rank, K))`` against **openclip**
+``open_clip.loss.SigLipLoss(rank=r, world_size=K, dist_impl="bidir")`` (its default: the texts passed to the
+neighbouring ranks with autograd, their gradients sent back), with ``logit_scale = [10]`` and
+``logit_bias = [-10]`` (SigLIP's init, requires_grad).
 
 For every global batch B (b = B/K local pairs, d = 512, fp32) and each contestant, one warm-up step and
 then one measured **loss step** on every rank: the loss's forward from random L2-normalised leaf features
@@ -67,6 +74,7 @@ QUICK_B = (256, 512)
 DIM = 512
 TEMPERATURE = 0.07
 CONTESTANTS = ("ours", "openclip")
+LOSSES = ("fastclip_v3", "siglip")
 STATE_FIELDS = 2  # fastclip_v3 (RGCL-g): log_u1, log_u2
 MIB = 2.0**20
 
@@ -150,6 +158,10 @@ _SENT = {
     ),
     "gather": lambda a, k, r: _nbytes(_first(a, k, 0, "tensor")),
     "broadcast": lambda a, k, r: _nbytes(_first(a, k, 0, "tensor")) if _first(a, k, 1, "src") == r else 0,
+    # open_clip's SigLipLoss exchanges with its neighbours: the tensors of the batch's isend ops
+    "batch_isend_irecv": lambda a, k, r: sum(
+        _nbytes(op.tensor) for op in _first(a, k, 0, "p2p_op_list") if op.op.__name__ == "isend"
+    ),
 }
 
 
@@ -230,8 +242,9 @@ def measure(step, rank: int, *, allocator: bool = True) -> dict[str, Any]:
     }
 
 
-def _inputs(big_b: int, rank: int, world: int, dim: int, seed: int):
-    """This rank's rows of one global batch: L2-normalised leaf features, logit_scale, dataset indices."""
+def _inputs(big_b: int, rank: int, world: int, dim: int, seed: int, loss: str = "fastclip_v3"):
+    """This rank's rows of one global batch: L2-normalised leaf features, logit_scale (and SigLIP's
+    logit_bias), dataset indices."""
     gen = torch.Generator().manual_seed(seed)
     e1 = F.normalize(torch.randn(big_b, dim, generator=gen), dim=-1)
     e2 = F.normalize(torch.randn(big_b, dim, generator=gen), dim=-1)
@@ -241,17 +254,48 @@ def _inputs(big_b: int, rank: int, world: int, dim: int, seed: int):
     x2 = e2[rows].clone().requires_grad_(True)
     scale = torch.tensor([1.0 / TEMPERATURE], requires_grad=True)
     indices = torch.arange(rank * b, (rank + 1) * b)
-    return x1, x2, scale, indices
+    if loss == "siglip":  # SigLIP's init: t = 10, b = -10
+        return (
+            x1,
+            x2,
+            torch.tensor([10.0], requires_grad=True),
+            torch.tensor([-10.0], requires_grad=True),
+            indices,
+        )
+    return x1, x2, scale, None, indices
 
 
-def _contestant(name: str, rank: int, world: int, big_b: int):
+def _siglip_contestant(name: str, rank: int, world: int):
+    if name == "ours":
+        from eva_fastclip.losses import Gatherer, build_loss
+
+        gatherer = Gatherer(rank, world)
+        loss_fn = build_loss("siglip", gatherer=gatherer)
+
+        def forward(x1, x2, scale, bias, indices):
+            return loss_fn(x1, x2, scale, indices, logit_bias=bias).loss
+
+        return forward, (lambda: None), gatherer
+    from open_clip.loss import SigLipLoss
+
+    siglip = SigLipLoss(rank=rank, world_size=world, dist_impl="bidir")
+
+    def forward(x1, x2, scale, bias, indices):
+        return siglip(x1, x2, scale, bias)
+
+    return forward, (lambda: None), None
+
+
+def _contestant(name: str, rank: int, world: int, big_b: int, loss: str = "fastclip_v3"):
+    if loss == "siglip":
+        return _siglip_contestant(name, rank, world)
     if name == "ours":
         from eva_fastclip.losses import Gatherer, build_loss
 
         gatherer = Gatherer(rank, world)
         loss_fn = build_loss("fastclip_v3", gatherer=gatherer, dataset_size=big_b)
 
-        def forward(x1, x2, scale, indices):
+        def forward(x1, x2, scale, bias, indices):
             return loss_fn(x1, x2, scale, indices).loss
 
         def after() -> None:
@@ -262,24 +306,26 @@ def _contestant(name: str, rank: int, world: int, big_b: int):
 
     clip = ClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world)
 
-    def forward(x1, x2, scale, indices):
+    def forward(x1, x2, scale, bias, indices):
         return clip(x1, x2, scale)
 
     return forward, (lambda: None), None
 
 
-def run_point(rank: int, world: int, big_b: int, dim: int, warmup: int = 1) -> dict[str, Any]:
+def run_point(
+    rank: int, world: int, big_b: int, dim: int, warmup: int = 1, loss: str = "fastclip_v3"
+) -> dict[str, Any]:
     """Both contestants at one (K, B) on this rank: warm-up step(s), then one measured step each."""
     out: dict[str, Any] = {}
     for name in CONTESTANTS:
-        forward, after, gatherer = _contestant(name, rank, world, big_b)
+        forward, after, gatherer = _contestant(name, rank, world, big_b, loss)
         for rep in range(warmup + 1):
-            x1, x2, scale, indices = _inputs(big_b, rank, world, dim, seed=rep)
+            x1, x2, scale, bias, indices = _inputs(big_b, rank, world, dim, seed=rep, loss=loss)
             if gatherer is not None:
                 gatherer.traffic.clear()
 
-            def step(set_phase, x1=x1, x2=x2, scale=scale, indices=indices, forward=forward):
-                loss = forward(x1, x2, scale, indices)
+            def step(set_phase, x1=x1, x2=x2, scale=scale, bias=bias, indices=indices, forward=forward):
+                loss = forward(x1, x2, scale, bias, indices)
                 set_phase("backward")
                 loss.backward()
 
@@ -289,37 +335,39 @@ def run_point(rank: int, world: int, big_b: int, dim: int, warmup: int = 1) -> d
                 continue
             result = measure(step, rank)
             after()
-            grads = (x1.grad, x2.grad, scale.grad)
+            grads = (x1.grad, x2.grad, scale.grad, None if bias is None else bias.grad)
             result["grad_bytes"] = sum(_nbytes(g) for g in grads if g is not None)
             result["grads_finite"] = all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
             if gatherer is not None:
                 result["gatherer_traffic"] = dict(gatherer.traffic)
             out[name] = result
-            del x1, x2, scale, grads
+            del x1, x2, scale, bias, grads
             gc.collect()
     return out
 
 
-def _worker(rank: int, world: int, port: int, sizes: list[int], dim: int, out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, sizes: list[int], dim: int, out_dir: str, loss: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.setdefault("KINETO_LOG_LEVEL", "5")
     torch.set_num_threads(1)
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        results = measure_rank(rank, world, sizes, dim)
+        results = measure_rank(rank, world, sizes, dim, loss)
     finally:
         if world > 1:
             dist.destroy_process_group()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 
-def measure_rank(rank: int, world: int, sizes: list[int], dim: int) -> dict[str, Any]:
+def measure_rank(
+    rank: int, world: int, sizes: list[int], dim: int, loss: str = "fastclip_v3"
+) -> dict[str, Any]:
     """This rank's results at every B in ``sizes``, in a process group of ``world`` ranks already joined
     (every rank calls it)."""
     results = {}
     for big_b in sizes:
-        results[str(big_b)] = run_point(rank, world, big_b, dim)
+        results[str(big_b)] = run_point(rank, world, big_b, dim, loss=loss)
         if world > 1:
             dist.barrier()
     return results
@@ -331,7 +379,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world: int, sizes: list[int], dim: int = DIM) -> list[dict[str, Any]]:
+def run_ranks(
+    world: int, sizes: list[int], dim: int = DIM, loss: str = "fastclip_v3"
+) -> list[dict[str, Any]]:
     """Spawn ``world`` gloo ranks that measure every B in ``sizes``; every rank's results. One rank runs in
     this process, on one thread as the spawned ones do (a new interpreter would only re-import torch)."""
     os.environ.setdefault("KINETO_LOG_LEVEL", "5")
@@ -339,22 +389,34 @@ def run_ranks(world: int, sizes: list[int], dim: int = DIM) -> list[dict[str, An
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return [measure_rank(0, 1, list(sizes), dim)]
+            return [measure_rank(0, 1, list(sizes), dim, loss)]
         finally:
             torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(world, _free_port(), list(sizes), dim, out_dir), nprocs=world, join=True)
+        args = (world, _free_port(), list(sizes), dim, out_dir, loss)
+        mp.spawn(_worker, args=args, nprocs=world, join=True)
         return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
 
 
 # ---- analysis -------------------------------------------------------------------------------------------
 
 
-def expected_traffic(big_b: int, world: int, dim: int, s: int = 4) -> dict[str, dict[str, int]]:
-    """Bytes per step and rank: docs/losses.md's formula for ours, gather-with-grad's for OpenCLIP."""
+def expected_traffic(
+    big_b: int, world: int, dim: int, s: int = 4, loss: str = "fastclip_v3"
+) -> dict[str, dict[str, int]]:
+    """Bytes per step and rank: docs/losses.md's formula for ours, gather-with-grad's for OpenCLIP (SigLIP:
+    ours all-gathers both features; open_clip's bidir sends its texts to K-1 ranks and their gradients
+    back)."""
     if world == 1:
         return {"ours": {"forward": 0, "backward": 0}, "openclip": {"forward": 0, "backward": 0}}
     b = big_b // world
+    if loss == "siglip":
+        ours = {"features": 2 * b * dim * s}
+        exchanged = (world - 1) * b * dim * s
+        return {
+            "ours": {"forward": sum(ours.values()), "backward": 0, "by_purpose": ours},
+            "openclip": {"forward": exchanged, "backward": exchanged},
+        }
     ours = {
         "features": 2 * b * dim * s,
         "indices": 8 * b,
@@ -374,7 +436,7 @@ def _fit_slope(xs: list[float], ys: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(lx, ly)) / sxx if sxx else float("nan")
 
 
-def analyse(points: list[dict[str, Any]], dim: int) -> dict[str, Any]:
+def analyse(points: list[dict[str, Any]], dim: int, loss: str = "fastclip_v3") -> dict[str, Any]:
     """Slopes, doubling ratios and the claims, from the rank-0 rows."""
     slopes, doubling_b, doubling_k = {}, {}, {}
     for name in CONTESTANTS:
@@ -401,7 +463,7 @@ def analyse(points: list[dict[str, Any]], dim: int) -> dict[str, Any]:
     claims["ours_no_backward_traffic"] = {"holds": not bwd, "violations": bwd}
     formula = []
     for p in points:
-        exp = expected_traffic(p["B"], p["K"], dim)
+        exp = expected_traffic(p["B"], p["K"], dim, loss=loss)
         for name in CONTESTANTS:
             for phase in ("forward", "backward"):
                 if p[name][f"bytes_{phase}"] != exp[name][phase]:
@@ -422,13 +484,15 @@ def analyse(points: list[dict[str, Any]], dim: int) -> dict[str, Any]:
 # ---- the command ----------------------------------------------------------------------------------------
 
 
-def run_benchmark(ks=GRID_K, sizes=GRID_B, dim: int = DIM, ranks=run_ranks) -> dict[str, Any]:
+def run_benchmark(
+    ks=GRID_K, sizes=GRID_B, dim: int = DIM, ranks=run_ranks, loss: str = "fastclip_v3"
+) -> dict[str, Any]:
     """Every (K, B) point for both contestants; rank 0's rows, the analysis, and every rank's raw results.
-    ``ranks(K, sizes, dim)``: every rank's results (``run_ranks``, or ranks measured elsewhere)."""
+    ``ranks(K, sizes, dim, loss)``: every rank's results (``run_ranks``, or ranks measured elsewhere)."""
     points, raw = [], {}
     for world in ks:
         usable = [big_b for big_b in sizes if big_b % world == 0]
-        per_rank = ranks(world, usable, dim)
+        per_rank = ranks(world, usable, dim, loss)
         raw[str(world)] = per_rank
         for big_b in usable:
             row = per_rank[0][str(big_b)]
@@ -437,8 +501,9 @@ def run_benchmark(ks=GRID_K, sizes=GRID_B, dim: int = DIM, ranks=run_ranks) -> d
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
         "dim": dim,
+        "loss": loss,
         "points": points,
-        "analysis": analyse(points, dim),
+        "analysis": analyse(points, dim, loss),
         "all_ranks": raw,
     }
 
@@ -446,7 +511,8 @@ def run_benchmark(ks=GRID_K, sizes=GRID_B, dim: int = DIM, ranks=run_ranks) -> d
 def format_table(results: dict[str, Any]) -> str:
     """Peak memory and bytes sent per step on rank 0, ours beside OpenCLIP, then the claims."""
     lines = [
-        f"loss step, rank 0 of K, d={results['dim']}, fp32   (MiB; bytes sent per step and rank)",
+        f"{results.get('loss', 'fastclip_v3')} loss step, rank 0 of K, d={results['dim']}, fp32   "
+        "(MiB; bytes sent per step and rank)",
         f"{'K':>2} {'B':>5} {'b':>5} | {'ours peak':>9} {'openclip':>9} {'ratio':>6} | "
         f"{'ours fwd':>10} {'ours bwd':>8} | {'oc fwd':>10} {'oc bwd':>10}",
     ]
@@ -471,6 +537,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m benchmarks.loss_memory", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--quick", action="store_true", help=f"K in {QUICK_K}, B in {QUICK_B} only")
+    parser.add_argument("--loss", choices=LOSSES, default="fastclip_v3", help="the loss beside open_clip's")
+    parser.add_argument("--ranks", type=int, nargs="+", help=f"the K of the grid (default {GRID_K})")
+    parser.add_argument("--sizes", type=int, nargs="+", help=f"the global batches B (default {GRID_B})")
     parser.add_argument("--dim", type=int, default=DIM, help="embedding width")
     parser.add_argument("--output", default="runs/bench/loss_memory.json", help="JSON file for all results")
     return parser
@@ -480,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     """Exit status 1 where a claim about ours fails."""
     args = build_parser().parse_args(argv)
     ks, sizes = (QUICK_K, QUICK_B) if args.quick else (GRID_K, GRID_B)
-    results = run_benchmark(ks, sizes, args.dim)
+    results = run_benchmark(args.ranks or ks, args.sizes or sizes, args.dim, loss=args.loss)
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(results, indent=2))

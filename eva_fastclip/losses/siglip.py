@@ -33,8 +33,9 @@ _BLOCK_ELEMENTS = 2**22  # logits of one row block: 16 MiB in fp32 (a few such t
 
 class SigLipLoss(ContrastiveLoss):
     """``loss.name: siglip``. Takes the model's ``logit_scale`` (t, already exponentiated) and
-    ``logit_bias`` (b) beside the features; the metric ``loss/contrastive`` is the rank's share of L
-    (its rows' terms over b), the value open_clip's ``SigLipLoss`` returns on that rank."""
+    ``logit_bias`` (b) beside the features. The loss's value (and the metric ``loss/contrastive``) is the
+    rank's share of L, its rows' terms over b: the value open_clip's ``SigLipLoss`` returns on that rank;
+    the mean over ranks is L."""
 
     uses_logit_bias = True
 
@@ -69,7 +70,9 @@ class SigLipLoss(ContrastiveLoss):
         scale, bias = logit_scale.reshape(()), logit_bias.reshape(()).to(logit_scale.dtype)
         rows = _PairTerms.apply(image_features, cached.e2_all, scale, bias, matches)
         columns = _PairTerms.apply(text_features, cached.e1_all, scale.detach(), bias.detach(), matches)
-        loss = (rows + columns) / b
+        # the value is the rows' (this rank's share of L, as open_clip's SigLipLoss reports it), the gradient
+        # both halves'
+        loss = (rows + (columns - columns.detach())) / b
         metrics = {
             "loss/contrastive": rows.item() / b,
             "temperature": 1.0 / scale.item(),

@@ -36,6 +36,7 @@ PIECES = {
     "data_wait": "test_data_wait_two_ranks:slowest_rank_of_two",
     "compositional": "test_compositional_distributed:two_ranks",
     "siglip": "test_siglip_two_ranks:two_ranks",
+    "siglip_toy": "test_siglip_two_ranks:toy_run",
     "lamb_zero": "test_lamb_zero_two_ranks:two_ranks",
     "accumulation": "accumulation_ranks:two_ranks",
     "cached_step": "cached_step_ranks:two_ranks",
