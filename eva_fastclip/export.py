@@ -2,7 +2,8 @@
 
 ``model.pt``  an fp32 state dict: ``open_clip.create_model(arch, pretrained="model.pt")`` loads it where the
               architecture's name is known (the shipped tiny ones only after importing eva_fastclip, a
-              Hugging Face text tower only with our keyword arguments);
+              Hugging Face text tower only with our keyword arguments, SigLIP's ``logit_bias`` only with
+              ``init_logit_bias=``);
 ``model/``    open_clip's own folder (any path without a ``.pt``/``.pth`` suffix): ``open_clip_config.json``
               (``model_cfg``, ``preprocess_cfg``) and ``open_clip_model.safetensors``, which
               ``open_clip.create_model_and_transforms("local-dir:model")`` and ``get_tokenizer`` load with

@@ -98,7 +98,7 @@ def leaf_keys(tree: dict, prefix: str = "") -> list[str]:
 def test_every_preset_has_a_table():
     presets = {p.stem for p in REPO.glob("configs/*.json") if not p.stem.startswith("toy")}
     assert presets == set(PRESETS)
-    assert {"loss:fastclip_v3", "loss:fastclip_v2", "loss:isogclr"} <= SECTIONS.keys()
+    assert {"loss:fastclip_v3", "loss:fastclip_v2", "loss:isogclr", "loss:siglip"} <= SECTIONS.keys()
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -139,7 +139,7 @@ def test_every_key_a_preset_sets_has_a_row(preset):
     assert not missing, f"configs/{preset}.json sets {missing}, which docs/recipes.md does not list"
 
 
-@pytest.mark.parametrize("name", ["fastclip_v3", "fastclip_v2", "isogclr"])
+@pytest.mark.parametrize("name", ["fastclip_v3", "fastclip_v2", "isogclr", "siglip"])
 def test_loss_defaults_match_their_table(name):
     resolved = {"experiment": ExperimentConfig(loss=LossConfig(name=name)).to_dict(), "deepspeed": {}}
     wrong = {

@@ -155,3 +155,28 @@ def test_keys_of_another_loss_stop_the_config_by_name():
     saved = LossConfig(name="siglip")
     assert LossConfig(**{k: getattr(saved, k) for k in saved.__slots__}) == saved
     assert isinstance(build_loss(saved), SigLipLoss) and not saved.is_compositional
+
+
+@pytest.mark.parametrize("b, c, d", [(64, 256, 32), (96, 96, 16), (16, 2048, 8)])
+def test_tunes_memory_model_counts_the_losses_peak(b, c, d, monkeypatch):
+    """tune's loss_buffer_bytes against the peak StorageTracker measures over SigLIP's forward and backward
+    (the gathered features made inside, as an all-gather makes them), with row blocks of 1024 logits
+    (monkeypatched into both) so that the shapes make one block, and several."""
+    from eva_fastclip.tensor_memory import StorageTracker
+    from eva_fastclip.tune import memory_model
+
+    assert memory_model.SIGLIP_BLOCK_ELEMENTS == siglip_module._BLOCK_ELEMENTS
+    monkeypatch.setattr(siglip_module, "_BLOCK_ELEMENTS", 1024)
+    monkeypatch.setattr(memory_model, "SIGLIP_BLOCK_ELEMENTS", 1024)
+
+    class Gathering(Gatherer):
+        def gather(self, tensor, purpose="gather"):
+            return torch.cat([tensor.detach()] * self.world_size)  # a new [c, d] buffer, as the real one
+
+    x, y = torch.randn(b, d).requires_grad_(True), torch.randn(b, d).requires_grad_(True)
+    t, bias = torch.tensor([10.0], requires_grad=True), torch.tensor([-10.0], requires_grad=True)
+    loss = SigLipLoss(Gathering(0, c // b))
+    tracker = StorageTracker()
+    with tracker:
+        loss(x, y, t, torch.arange(b), logit_bias=bias).loss.backward()
+    assert tracker.peak == pytest.approx(memory_model.loss_buffer_bytes("siglip", b, c, d), rel=0.1)

@@ -92,20 +92,22 @@ class _CachedPairs:
     micro_batch: int
 
 
-def _signed_logits(anchors, candidates, scale, bias, matches, rows: slice):
-    """-z·(t·a·c + b) for anchors ``rows`` against every candidate, and the cosines a·c: the argument of
-    softplus (−log σ(u) = softplus(−u)), its sign flipped on each anchor's match."""
+def _signed_logits(anchors, candidates, scale, bias, matches, rows: slice, keep_cosines: bool = False):
+    """-z·(t·a·c + b) for anchors ``rows`` against every candidate: the argument of softplus
+    (−log σ(u) = softplus(−u)), its sign flipped on each anchor's match; and the cosines a·c when
+    ``keep_cosines`` (else the logits are made in their place: one block fewer)."""
     cosines = anchors[rows] @ candidates.T
-    signed = scale * cosines + bias
+    signed = (cosines * scale if keep_cosines else cosines.mul_(scale)).add_(bias)
     local = torch.arange(rows.stop - rows.start, device=signed.device)
     signed[local, matches[rows]] = -signed[local, matches[rows]]
-    return signed, cosines
+    return signed, cosines if keep_cosines else None
 
 
 class _PairTerms(torch.autograd.Function):
     """Σ_ij softplus(−z_ij (t·a_i·c_j + b)) over anchors a [n, d] (live) and candidates c [G, d] (fixed),
-    anchor i matching candidate ``matches[i]``. Row blocks of at most _BLOCK_ELEMENTS logits; the
-    backward recomputes each: d/ds softplus(−z·s) = −z·σ(−z·s)."""
+    anchor i matching candidate ``matches[i]``. Row blocks of at most _BLOCK_ELEMENTS logits, two
+    block-sized tensors alive at once in either pass; the backward recomputes each block:
+    d/ds softplus(−z·s) = −z·σ(−z·s)."""
 
     @staticmethod
     def forward(ctx, anchors, candidates, scale, bias, matches):
@@ -113,7 +115,9 @@ class _PairTerms(torch.autograd.Function):
         total = anchors.new_zeros(())
         for start in range(0, anchors.shape[0], step):
             rows = slice(start, min(anchors.shape[0], start + step))
-            total += F.softplus(_signed_logits(anchors, candidates, scale, bias, matches, rows)[0]).sum()
+            signed = _signed_logits(anchors, candidates, scale, bias, matches, rows)[0]
+            total += F.softplus(signed).sum()
+            del signed  # before the next block is made
         ctx.save_for_backward(anchors, candidates, scale, bias, matches)
         ctx.step = step
         return total
@@ -125,15 +129,16 @@ class _PairTerms(torch.autograd.Function):
         grad_scale, grad_bias = scale.new_zeros(()), bias.new_zeros(())
         for start in range(0, anchors.shape[0], ctx.step):
             rows = slice(start, min(anchors.shape[0], start + ctx.step))
-            signed, cosines = _signed_logits(anchors, candidates, scale, bias, matches, rows)
-            grad = torch.sigmoid(signed)  # d softplus(u)/du; u = −z·s, so d/ds = −z·σ(u)
+            signed, cosines = _signed_logits(anchors, candidates, scale, bias, matches, rows, True)
+            grad = signed.sigmoid_()  # d softplus(u)/du; u = −z·s, so d/ds = −z·σ(u)
             local = torch.arange(rows.stop - rows.start, device=grad.device)
             grad[local, matches[rows]] = -grad[local, matches[rows]]
             grad *= grad_total  # now d total / d s
             if grad_anchors is not None:
                 grad_anchors[rows] = scale * (grad @ candidates)
-            grad_scale += (grad * cosines).sum()
+            grad_scale += torch.dot(grad.flatten(), cosines.flatten())
             grad_bias += grad.sum()
+            del signed, grad, cosines  # before the next block is made
         return (
             grad_anchors,
             None,

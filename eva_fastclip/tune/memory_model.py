@@ -15,8 +15,8 @@ makes (DeepSpeed 0.19's ZeRO-0/1/2 engines, our LAMB or AdamW, our losses), with
                images normalised: 4 + w bytes a value); DeepSpeed's reduce bucket
                (``reduce_bucket_size`` elements of the gradient dtype, allocated anew at every
                backward under ZeRO-1/2 with ``contiguous_gradients``; two with ``overlap_comm``), the
-               loss's buffers (the contrastive batch's gathered features and their gradients, fp32, and
-               one streamed row block) and, with ``train.contrastive_batch=global``, the step's cached
+               loss's buffers (:func:`loss_buffer_bytes`: the contrastive batch's gathered features, fp32,
+               their gradients and streamed row blocks, as each loss makes them) and, with ``train.contrastive_batch=global``, the step's cached
                features and held images (engine/contrastive_step.py's ``held_bytes``)
     step       the gradients and their fp32 copy (4T, 4T/K under ZeRO-1/2) at the optimizer step, and
                LAMB's update of the largest tensor, made in fp32 before its trust ratio is applied
@@ -45,6 +45,8 @@ DEFAULT_REDUCE_BUCKET = 500_000_000
 #: entries of one streamed row block of the compositional loss (losses/surrogate.py's _BLOCK_ELEMENTS), and
 #: the fp32 block-sized tensors alive at once while it is recomputed in the backward
 LOSS_BLOCK_ELEMENTS, LOSS_BLOCKS_LIVE = 2**18, 8
+#: SigLIP's row blocks (losses/siglip.py's _BLOCK_ELEMENTS), two alive at once in either pass
+SIGLIP_BLOCK_ELEMENTS, SIGLIP_BLOCKS_LIVE = 2**22, 2
 #: per-sample table fields of each temperature rule (losses/compositional.py)
 TABLE_FIELDS = {"individual_adam": 8, "individual_momentum": 6}
 COMPOSITIONAL_FIELDS = 2
@@ -69,6 +71,7 @@ class Footprint:
     device: str = "cpu"  # where the tensors live: on CUDA the per-sample table is host memory
     largest_tensor: int = 0  # elements of the largest trained tensor (LAMB's update is made per tensor)
     optimizer: str = "Lamb"
+    loss: str = "fastclip_v3"  # loss.name: what the loss's buffers are
 
     @property
     def image_bytes(self) -> int:
@@ -108,7 +111,20 @@ def footprint_of(
         device=device,
         largest_tensor=largest_tensor,
         optimizer=ds.get("optimizer", {}).get("type", "Lamb"),
+        loss=cfg.loss.name,
     )
+
+
+def loss_buffer_bytes(loss: str, b: int, c: int, d: int) -> int:
+    """The loss's own tensors at its peak, for b local pairs in a contrastive batch of c, d dimensions:
+    SigLIP all-gathers the features without autograd (2·c·d fp32) and makes one half's feature gradient
+    (b·d) beside two row blocks of at most SIGLIP_BLOCK_ELEMENTS logits (its peak, as tensor_memory's
+    StorageTracker measures it: tests/test_siglip_loss.py); the others keep the gathered features and
+    their gradients (4·c·d) and LOSS_BLOCKS_LIVE streamed blocks."""
+    if loss == "siglip":
+        block = min(b, max(1, SIGLIP_BLOCK_ELEMENTS // c)) * c
+        return (2 * c * d + b * d + SIGLIP_BLOCKS_LIVE * block) * 4
+    return 2 * 2 * c * d * 4 + min(b * c, LOSS_BLOCK_ELEMENTS) * 4 * LOSS_BLOCKS_LIVE
 
 
 def estimate(candidate, fp: Footprint) -> dict[str, int]:
@@ -134,7 +150,7 @@ def estimate(candidate, fp: Footprint) -> dict[str, int]:
         # uint8 images made the model's input: the float32 normalisation and the copy in w bytes it keeps
         "model_input": b * fp.image_bytes * (4 + w),
         "reduce_bucket": fp.reduce_bucket_size * w * buckets if stage >= 1 and fp.contiguous_gradients else 0,
-        "loss_buffers": 2 * 2 * c * d * 4 + min(b * c, LOSS_BLOCK_ELEMENTS) * 4 * LOSS_BLOCKS_LIVE,
+        "loss_buffers": loss_buffer_bytes(fp.loss, b, c, d),
         "cached_step": 0,
     }
     if candidate.contrastive == "global" and candidate.grad_accum_steps > 1:
