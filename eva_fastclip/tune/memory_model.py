@@ -16,8 +16,9 @@ makes (DeepSpeed 0.19's ZeRO-0/1/2 engines, our LAMB or AdamW, our losses), with
                (``reduce_bucket_size`` elements of the gradient dtype, allocated anew at every
                backward under ZeRO-1/2 with ``contiguous_gradients``; two with ``overlap_comm``), the
                loss's buffers (:func:`loss_buffer_bytes`: the contrastive batch's gathered features, fp32,
-               their gradients and streamed row blocks, as each loss makes them) and, with ``train.contrastive_batch=global``, the step's cached
-               features and held images (engine/contrastive_step.py's ``held_bytes``)
+               their gradients and streamed row blocks, as each loss makes them) and, with
+               ``train.contrastive_batch=global``, the step's cached features and held images
+               (engine/contrastive_step.py's ``held_bytes``)
     step       the gradients and their fp32 copy (4T, 4T/K under ZeRO-1/2) at the optimizer step, and
                LAMB's update of the largest tensor, made in fp32 before its trust ratio is applied
 
