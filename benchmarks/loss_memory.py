@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import gc
 import json
 import math
@@ -313,11 +314,18 @@ def _contestant(name: str, rank: int, world: int, big_b: int, loss: str = "fastc
 
 
 def run_point(
-    rank: int, world: int, big_b: int, dim: int, warmup: int = 1, loss: str = "fastclip_v3"
+    rank: int,
+    world: int,
+    big_b: int,
+    dim: int,
+    warmup: int = 1,
+    loss: str = "fastclip_v3",
+    alone: bool = False,
 ) -> dict[str, Any]:
-    """Both contestants at one (K, B) on this rank: warm-up step(s), then one measured step each."""
+    """Both contestants at one (K, B) on this rank (``alone``: ours only): warm-up step(s), then one
+    measured step each."""
     out: dict[str, Any] = {}
-    for name in CONTESTANTS:
+    for name in CONTESTANTS[:1] if alone else CONTESTANTS:
         forward, after, gatherer = _contestant(name, rank, world, big_b, loss)
         for rep in range(warmup + 1):
             x1, x2, scale, bias, indices = _inputs(big_b, rank, world, dim, seed=rep, loss=loss)
@@ -346,14 +354,16 @@ def run_point(
     return out
 
 
-def _worker(rank: int, world: int, port: int, sizes: list[int], dim: int, out_dir: str, loss: str) -> None:
+def _worker(
+    rank: int, world: int, port: int, sizes: list[int], dim: int, out_dir: str, loss: str, alone_above: int
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.setdefault("KINETO_LOG_LEVEL", "5")
     torch.set_num_threads(1)
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        results = measure_rank(rank, world, sizes, dim, loss)
+        results = measure_rank(rank, world, sizes, dim, loss, alone_above)
     finally:
         if world > 1:
             dist.destroy_process_group()
@@ -361,13 +371,14 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], dim: int, out_di
 
 
 def measure_rank(
-    rank: int, world: int, sizes: list[int], dim: int, loss: str = "fastclip_v3"
+    rank: int, world: int, sizes: list[int], dim: int, loss: str = "fastclip_v3", alone_above: int = 0
 ) -> dict[str, Any]:
     """This rank's results at every B in ``sizes``, in a process group of ``world`` ranks already joined
-    (every rank calls it)."""
+    (every rank calls it); above B = ``alone_above`` (when > 0) ours alone."""
     results = {}
     for big_b in sizes:
-        results[str(big_b)] = run_point(rank, world, big_b, dim, loss=loss)
+        alone = 0 < alone_above < big_b
+        results[str(big_b)] = run_point(rank, world, big_b, dim, loss=loss, alone=alone)
         if world > 1:
             dist.barrier()
     return results
@@ -380,7 +391,7 @@ def _free_port() -> int:
 
 
 def run_ranks(
-    world: int, sizes: list[int], dim: int = DIM, loss: str = "fastclip_v3"
+    world: int, sizes: list[int], dim: int = DIM, loss: str = "fastclip_v3", alone_above: int = 0
 ) -> list[dict[str, Any]]:
     """Spawn ``world`` gloo ranks that measure every B in ``sizes``; every rank's results. One rank runs in
     this process, on one thread as the spawned ones do (a new interpreter would only re-import torch)."""
@@ -389,11 +400,11 @@ def run_ranks(
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return [measure_rank(0, 1, list(sizes), dim, loss)]
+            return [measure_rank(0, 1, list(sizes), dim, loss, alone_above)]
         finally:
             torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as out_dir:
-        args = (world, _free_port(), list(sizes), dim, out_dir, loss)
+        args = (world, _free_port(), list(sizes), dim, out_dir, loss, alone_above)
         mp.spawn(_worker, args=args, nprocs=world, join=True)
         return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
 
@@ -440,15 +451,15 @@ def analyse(points: list[dict[str, Any]], dim: int, loss: str = "fastclip_v3") -
     """Slopes, doubling ratios and the claims, from the rank-0 rows."""
     slopes, doubling_b, doubling_k = {}, {}, {}
     for name in CONTESTANTS:
-        xs = [p["b"] * p["B"] for p in points]
-        ys = [p[name]["peak_bytes"] for p in points]
+        xs = [p["b"] * p["B"] for p in points if name in p]
+        ys = [p[name]["peak_bytes"] for p in points if name in p]
         lo, hi = min(range(len(xs)), key=xs.__getitem__), max(range(len(xs)), key=xs.__getitem__)
         slopes[name] = {
             "loglog_slope": _fit_slope(xs, ys),
             "bB_ratio": xs[hi] / xs[lo],
             "peak_ratio": ys[hi] / ys[lo],
         }
-        at = {(p["K"], p["B"]): p[name]["peak_bytes"] for p in points}
+        at = {(p["K"], p["B"]): p[name]["peak_bytes"] for p in points if name in p}
         doubling_b[name] = {
             f"K={k} B={bb}->{2 * bb}": at[(k, 2 * bb)] / at[(k, bb)] for (k, bb) in at if (k, 2 * bb) in at
         }
@@ -457,14 +468,15 @@ def analyse(points: list[dict[str, Any]], dim: int, loss: str = "fastclip_v3") -
         }
 
     claims = {}
-    worse = [(p["K"], p["B"]) for p in points if p["ours"]["peak_bytes"] > p["openclip"]["peak_bytes"]]
+    both = [p for p in points if "openclip" in p]
+    worse = [(p["K"], p["B"]) for p in both if p["ours"]["peak_bytes"] > p["openclip"]["peak_bytes"]]
     claims["ours_le_openclip_everywhere"] = {"holds": not worse, "violations": worse}
     bwd = [(p["K"], p["B"], p["ours"]["bytes_backward"]) for p in points if p["ours"]["bytes_backward"]]
     claims["ours_no_backward_traffic"] = {"holds": not bwd, "violations": bwd}
     formula = []
     for p in points:
         exp = expected_traffic(p["B"], p["K"], dim, loss=loss)
-        for name in CONTESTANTS:
+        for name in (n for n in CONTESTANTS if n in p):
             for phase in ("forward", "backward"):
                 if p[name][f"bytes_{phase}"] != exp[name][phase]:
                     formula.append((name, p["K"], p["B"], phase, p[name][f"bytes_{phase}"], exp[name][phase]))
@@ -517,12 +529,16 @@ def format_table(results: dict[str, Any]) -> str:
         f"{'ours fwd':>10} {'ours bwd':>8} | {'oc fwd':>10} {'oc bwd':>10}",
     ]
     for p in results["points"]:
-        ours, oc = p["ours"], p["openclip"]
+        ours, oc = p["ours"], p.get("openclip")
+        theirs = (
+            f"{oc['peak_bytes'] / MIB:9.2f} {ours['peak_bytes'] / oc['peak_bytes']:6.3f}"
+            if oc
+            else f"{'-':>9} {'-':>6}"
+        )
+        sent = f"{oc['bytes_forward']:>10} {oc['bytes_backward']:>10}" if oc else f"{'-':>10} {'-':>10}"
         lines.append(
-            f"{p['K']:>2} {p['B']:>5} {p['b']:>5} | {ours['peak_bytes'] / MIB:9.2f} "
-            f"{oc['peak_bytes'] / MIB:9.2f} {ours['peak_bytes'] / oc['peak_bytes']:6.3f} | "
-            f"{ours['bytes_forward']:>10} {ours['bytes_backward']:>8} | "
-            f"{oc['bytes_forward']:>10} {oc['bytes_backward']:>10}"
+            f"{p['K']:>2} {p['B']:>5} {p['b']:>5} | {ours['peak_bytes'] / MIB:9.2f} {theirs} | "
+            f"{ours['bytes_forward']:>10} {ours['bytes_backward']:>8} | {sent}"
         )
     analysis = results["analysis"]
     for name, slope in analysis["slopes"].items():
@@ -541,6 +557,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ranks", type=int, nargs="+", help=f"the K of the grid (default {GRID_K})")
     parser.add_argument("--sizes", type=int, nargs="+", help=f"the global batches B (default {GRID_B})")
     parser.add_argument("--dim", type=int, default=DIM, help="embedding width")
+    parser.add_argument(
+        "--ours-alone-above",
+        type=int,
+        default=0,
+        metavar="B",
+        help="above this B, ours only (open_clip's memory)",
+    )
     parser.add_argument("--output", default="runs/bench/loss_memory.json", help="JSON file for all results")
     return parser
 
@@ -549,7 +572,8 @@ def main(argv: list[str] | None = None) -> int:
     """Exit status 1 where a claim about ours fails."""
     args = build_parser().parse_args(argv)
     ks, sizes = (QUICK_K, QUICK_B) if args.quick else (GRID_K, GRID_B)
-    results = run_benchmark(args.ranks or ks, args.sizes or sizes, args.dim, loss=args.loss)
+    ranks = functools.partial(run_ranks, alone_above=args.ours_alone_above)
+    results = run_benchmark(args.ranks or ks, args.sizes or sizes, args.dim, ranks=ranks, loss=args.loss)
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(results, indent=2))
