@@ -243,8 +243,20 @@ for iSogCLR the median of the per-sample ones):
 standard deviation of the differences; ahead / behind: the 95% t-interval of the mean excludes 0:
 
 {paired_differences(records)}
-{_accumulation_section(records)}
+{_siglip_section(records)}{_accumulation_section(records)}
 ![curves](curves.png)
+"""
+
+
+def _siglip_section(records: list[dict[str, Any]]) -> str:
+    """SigLIP minus each other loss, when the grid ran it: its paper's small-batch claim is the question."""
+    if not any(record["spec"]["variant"] == "siglip" for record in records):
+        return ""
+    return f"""
+SigLIP minus each other loss, the same way (its paper finds the sigmoid loss ahead of the softmax one at
+small batches):
+
+{paired_differences(records, reference="siglip")}
 """
 
 

@@ -16,7 +16,14 @@ from PIL import Image
 
 from benchmarks import convergence
 from benchmarks.convergence_grid import DEFAULT_MODEL, VARIANTS, RunSpec, plan_runs
-from benchmarks.convergence_report import paired_differences, plot_curves, results_table, t_quantile, verdict
+from benchmarks.convergence_report import (
+    _siglip_section,
+    paired_differences,
+    plot_curves,
+    results_table,
+    t_quantile,
+    verdict,
+)
 from benchmarks.convergence_run import MemoryLoader, load_results, random_resized_crop, run_one, write_json
 from eva_fastclip.data import read_manifest
 from eva_fastclip.data.openclipart import clean_words, make_caption, render, write_openclipart_dataset
@@ -273,6 +280,14 @@ def test_paired_differences_and_verdicts():
     assert table_row(table, "64", "OpenCLIP")[3] == f"{diffs.mean():.3f} ± {diffs.std(ddof=1):.3f} (ahead)"
     assert table_row(table, "64", "SogCLR")[3].endswith("(level)")
     assert verdict([-0.1, -0.11, -0.09]) == "behind" and verdict([0.1]) == "one seed"
+    # the report's SigLIP section (its small-batch claim): SigLIP minus each other loss, when it ran
+    assert _siglip_section(records) == ""
+    records += [fake_record("siglip", 64, s, (v, v, v)) for s, v in enumerate(ahead)]
+    section = _siglip_section(records)
+    assert (
+        table_row(section, "64", "FastCLIP-v3")[3]
+        == f"{-diffs.mean():.3f} ± {diffs.std(ddof=1):.3f} (behind)"
+    )
 
 
 def student_t_cdf(x: float, df: int) -> float:
