@@ -76,7 +76,9 @@ class ContrastiveLoss(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} has no cached step (train.contrastive_batch)")
 
     def end_cached_step(self) -> None:
-        """Free what ``begin_cached_step`` kept (the staged per-sample state stays until the hooks)."""
+        """Free what ``begin_cached_step`` kept in ``_cached`` (the staged per-sample state stays until the
+        hooks)."""
+        self._cached = None
 
     def _gather_step(self, image_features, text_features, micro_batch: int):
         """Every rank's features of the step ([G, d] each, no autograd) and where this rank's lie among

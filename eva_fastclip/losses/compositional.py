@@ -228,9 +228,6 @@ class CompositionalLoss(ContrastiveLoss):
             loss = phi
         return LossOutput(loss, {**cached.metrics, "loss/surrogate": float(phi.detach())})
 
-    def end_cached_step(self) -> None:
-        self._cached = None
-
     def _step_individual_tau(self, new_rows, taus, shifts, dsums, log_dens, big_b) -> None:
         """Per-sample tau gradient of tau_i(log(eps+g_i)+rho), estimated with the new u, then one step."""
         col = self.state.column

@@ -94,9 +94,6 @@ class OpenClipLoss(ContrastiveLoss):
         loss = contrastive + (as_negatives - as_negatives.detach())
         return LossOutput(loss, {"loss/contrastive": contrastive.item(), "temperature": 1.0 / scale.item()})
 
-    def end_cached_step(self) -> None:
-        self._cached = None
-
 
 @dataclass
 class _CachedPairs:

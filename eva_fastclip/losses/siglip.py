@@ -80,15 +80,15 @@ class SigLipLoss(ContrastiveLoss):
         }
         return LossOutput(loss, metrics)
 
-    def end_cached_step(self) -> None:
-        self._cached = None
-
 
 @dataclass
 class _CachedPairs:
-    e1_all: torch.Tensor  # [G, d] every pair's image features (no autograd)
+    """Every pair's features of the step ([G, d] each, no autograd), where this rank's start among them,
+    and the step's micro-batch."""
+
+    e1_all: torch.Tensor
     e2_all: torch.Tensor
-    offset: int  # where this rank's pairs start among the G
+    offset: int
     micro_batch: int
 
 
