@@ -71,6 +71,7 @@ RULES: dict[str, Rule] = {
         FIXED, "the rule decides the temperature's optimizer group and the per-sample state"
     ),
     "loss.temperature_init": Rule(START, "only a run's start reads it: tau comes from the checkpoint"),
+    "loss.logit_bias_init": Rule(START, "only a run's start reads it: the bias comes from the checkpoint"),
     "loss.temperature_min": Rule(CHANGE),
     "loss.temperature_max": Rule(CHANGE),
     "loss.temperature_lr": Rule(CHANGE),
