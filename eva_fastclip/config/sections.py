@@ -123,7 +123,7 @@ class DataConfig:
 #: individual_momentum (iSogCLR's own rule).
 LOSS_DEFAULTS: dict[str, dict[str, Any]] = {
     "openclip": {"temperature_rule": "learnable", "temperature_init": 0.07},
-    # SigLIP (Zhai et al. 2023, section 3.1; open_clip's SigLIP configs, init_logit_bias): t = 10, b = -10
+    # SigLIP's t = 10 and b = -10, as open_clip's --siglip sets them (docs/recipes.md, Loss defaults: siglip)
     "siglip": {"temperature_rule": "learnable", "temperature_init": 0.1, "logit_bias_init": -10.0},
     "sogclr": {
         "temperature_rule": "fixed",

@@ -40,10 +40,8 @@ def build_loss(
     with a ValueError when the second begins."""
     if isinstance(cfg, str):
         cfg = LossConfig(name=cfg, **overrides)
-    if cfg.name == "openclip":
-        return OpenClipLoss(gatherer)
-    if cfg.name == "siglip":
-        return SigLipLoss(gatherer)
+    if not cfg.is_compositional:  # the mini-batch losses: no per-sample state, no options of their own
+        return LOSSES[cfg.name](gatherer)
     if dataset_size is None:
         raise ValueError(f"loss {cfg.name!r} keeps per-sample state: pass dataset_size")
     return CompositionalLoss(cfg, dataset_size=dataset_size, gatherer=gatherer, temperature=temperature)

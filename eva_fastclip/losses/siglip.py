@@ -98,9 +98,14 @@ def _signed_logits(anchors, candidates, scale, bias, matches, rows: slice, keep_
     ``keep_cosines`` (else the logits are made in their place: one block fewer)."""
     cosines = anchors[rows] @ candidates.T
     signed = (cosines * scale if keep_cosines else cosines.mul_(scale)).add_(bias)
-    local = torch.arange(rows.stop - rows.start, device=signed.device)
-    signed[local, matches[rows]] = -signed[local, matches[rows]]
+    _negate_matches(signed, matches, rows)
     return signed, cosines if keep_cosines else None
+
+
+def _negate_matches(block, matches, rows: slice) -> None:
+    """Flip the sign, in place, of each anchor's entry at its match in a row block (z_ij = +1 there)."""
+    local = torch.arange(rows.stop - rows.start, device=block.device)
+    block[local, matches[rows]] = -block[local, matches[rows]]
 
 
 class _PairTerms(torch.autograd.Function):
@@ -131,8 +136,7 @@ class _PairTerms(torch.autograd.Function):
             rows = slice(start, min(anchors.shape[0], start + ctx.step))
             signed, cosines = _signed_logits(anchors, candidates, scale, bias, matches, rows, True)
             grad = signed.sigmoid_()  # d softplus(u)/du; u = −z·s, so d/ds = −z·σ(u)
-            local = torch.arange(rows.stop - rows.start, device=grad.device)
-            grad[local, matches[rows]] = -grad[local, matches[rows]]
+            _negate_matches(grad, matches, rows)
             grad *= grad_total  # now d total / d s
             if grad_anchors is not None:
                 grad_anchors[rows] = scale * (grad @ candidates)
