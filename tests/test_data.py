@@ -214,7 +214,7 @@ def test_write_shards_rejects_malformed_captions_before_writing(tmp_path):
     (tmp_path / "images").mkdir()
     (tmp_path / "images" / "a.png").write_bytes(index_png(0))
     (tmp_path / "no_column.csv").write_text("image,text\na.png,hello\n")
-    with pytest.raises(ValueError, match=r"no_column\.csv, line 1: .*'caption'"):
+    with pytest.raises(ValueError, match=r"no_column\.csv: no image/caption columns: .* has image, text;"):
         write_shards(tmp_path / "images", tmp_path / "no_column.csv", tmp_path / "out")
     (tmp_path / "short_row.csv").write_text("image,caption\na.png,hello\na.png\n")
     with pytest.raises(ValueError, match=r"short_row\.csv, line 3"):
@@ -227,6 +227,189 @@ def test_write_shards_rejects_malformed_captions_before_writing(tmp_path):
     with pytest.raises(ValueError, match=r"missing_key\.jsonl, line 2: .*'caption'"):
         write_shards(tmp_path / "images", tmp_path / "missing_key.jsonl", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+# --- make-shards: the captions file's conventions (OpenCLIP's filepath/title TSV, our image/caption CSV) ---
+
+# Captions with the characters a separator could split at: each must come back whole.
+CAPTIONS = ["a dog, running", "two cats; asleep", "plain", 'a "quoted" word, and more']
+
+
+def write_index_pngs(folder: Path, count: int) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        (folder / f"{i}.png").write_bytes(index_png(i))
+    return folder
+
+
+def read_back(out: Path) -> list[tuple[int, str, str, int]]:
+    """(index, .txt caption, .json caption, index the pixels encode) of every sample the manifest lists."""
+    samples = []
+    for shard in read_manifest(out)["shards"]:
+        members = tar_members(out / shard)
+        for name in sorted(n for n in members if n.endswith(".json")):
+            meta, key = json.loads(members[name]), name.removesuffix(".json")
+            pixels = transforms.ToTensor()(Image.open(io.BytesIO(members[f"{key}.png"])).convert("RGB"))
+            samples.append(
+                (meta["index"], members[f"{key}.txt"].decode(), meta["caption"], index_from_image(pixels))
+            )
+    return samples
+
+
+def make_shards(tmp_path: Path, captions: str, *flags: str) -> int:
+    argv = ["make-shards", "--images", str(tmp_path / "images"), "--captions", str(tmp_path / captions)]
+    return main([*argv, "--output", str(tmp_path / "out"), "--samples-per-shard", "3", *flags])
+
+
+def quoted(text: str) -> str:
+    return '"' + text.replace('"', '""') + '"'
+
+
+def tsv_field(text: str) -> str:
+    # as pandas' to_csv(sep="\t") writes it: quoted only for a quote or a tab, so commas and semicolons
+    # stand bare and a reader splitting at them would cut the caption
+    return quoted(text) if '"' in text or "\t" in text else text
+
+
+OPENCLIP_TSV = "filepath\ttitle\n" + "".join(f"{i}.png\t{tsv_field(c)}\n" for i, c in enumerate(CAPTIONS))
+# both conventions: image/caption is read (what make-shards read before); filepath/title are decoys
+BOTH_TSV = "title\tfilepath\tcaption\timage\n" + "".join(
+    f"decoy\tdecoy.png\t{tsv_field(c)}\t{i}.png\n" for i, c in enumerate(CAPTIONS)
+)
+
+
+def jsonl(image_key: str, caption_key: str) -> str:
+    return "".join(json.dumps({image_key: f"{i}.png", caption_key: c}) + "\n" for i, c in enumerate(CAPTIONS))
+
+
+@pytest.mark.parametrize(
+    "name, text",
+    [
+        # OpenCLIP names its tab-separated files .csv too: the header decides
+        pytest.param("train.csv", OPENCLIP_TSV, id="openclip-tsv-named-csv"),
+        pytest.param("train.tsv", OPENCLIP_TSV, id="openclip-tsv"),
+        pytest.param(
+            "captions.csv",
+            "caption,image\n" + "".join(f"{quoted(c)},{i}.png\n" for i, c in enumerate(CAPTIONS)),
+            id="ours-csv",
+        ),
+        pytest.param("both.tsv", BOTH_TSV, id="both-conventions"),
+        pytest.param("train.jsonl", jsonl("filepath", "title"), id="openclip-jsonl"),
+        pytest.param("captions.jsonl", jsonl("image", "caption"), id="ours-jsonl"),
+    ],
+)
+def test_make_shards_reads_either_convention_without_flags(tmp_path, capsys, name, text):
+    write_index_pngs(tmp_path / "images", len(CAPTIONS))
+    (tmp_path / name).write_text(text)
+    assert make_shards(tmp_path, name) == 0
+    assert json.loads(capsys.readouterr().out)["num_samples"] == len(CAPTIONS)
+    assert read_back(tmp_path / "out") == [(i, c, c, i) for i, c in enumerate(CAPTIONS)]
+    assert read_manifest(tmp_path / "out")["samples_per_shard"] == [3, 1]
+
+
+NAMED = ["--csv-img-key", "path", "--csv-caption-key", "desc"]
+
+
+@pytest.mark.parametrize(
+    "separator, flags",
+    [
+        pytest.param(";", ["--csv-separator", ";", *NAMED], id="semicolon"),
+        pytest.param("\t", ["--csv-separator", "\\t", *NAMED], id="backslash-t"),  # as a shell passes it
+        pytest.param("\t", ["--csv-separator", "\t", *NAMED], id="real-tab"),
+        pytest.param(
+            "\t", ["--image-column", "path", "--caption-column", "desc"], id="older-names-tab-detected"
+        ),
+        pytest.param(",", NAMED, id="comma-detected"),
+        pytest.param("|", ["--csv-separator", "|", "--csv-caption-key", "desc"], id="image-column-found"),
+    ],
+)
+def test_make_shards_openclip_flags_name_separator_and_columns(tmp_path, capsys, separator, flags):
+    write_index_pngs(tmp_path / "images", len(CAPTIONS))
+    # decoys under both conventions' names: reading a column not meant gives missing images or wrong captions
+    named = "path" in flags
+    lines = [separator.join(["image" if named else "filepath", "caption", "title", "desc", "path"])]
+    for i, caption in enumerate(CAPTIONS):
+        real, decoy = f"{i}.png", "decoy.png"
+        row = [decoy if named else real, "decoy", "decoy", quoted(caption), real if named else decoy]
+        lines.append(separator.join(row))
+    (tmp_path / "captions.csv").write_text("\n".join(lines) + "\n")
+    assert make_shards(tmp_path, "captions.csv", *flags) == 0, capsys.readouterr().err
+    assert read_back(tmp_path / "out") == [(i, c, c, i) for i, c in enumerate(CAPTIONS)]
+
+
+@pytest.mark.parametrize(
+    "name, text, flags, message",
+    [
+        pytest.param(
+            "captions.csv",
+            "url,text\nhttp://x/0.png,hello\n",
+            [],
+            "captions.csv: no image/caption columns: its header (comma-separated) has url, text; name them "
+            "with --csv-img-key and --csv-caption-key (OpenCLIP's filepath/title and image/caption are found "
+            "without flags)\n",
+            id="other-columns",
+        ),
+        pytest.param(
+            "mixed.tsv",
+            "filepath\tcaption\n0.png\thello\n",
+            [],
+            "mixed.tsv: no image/caption columns: its header (tab-separated) has filepath, caption; name",
+            id="one-of-each-convention-is-no-pair",
+        ),
+        pytest.param(
+            "train.csv",
+            "filepath\ttitle\n0.png\thello\n",
+            ["--csv-separator", ","],
+            r"train.csv: no image/caption columns: its header (comma-separated) has filepath\ttitle; name",
+            id="wrong-separator-shows-the-tab",
+        ),
+        pytest.param(
+            "train.tsv",
+            "filepath\ttitle\n0.png\thello\n",
+            ["--csv-img-key", "path"],
+            "train.tsv: no column 'path' (named with --csv-img-key): its header (tab-separated) has "
+            "filepath, title\n",
+            id="named-image-column-missing",
+        ),
+        pytest.param(
+            "train.tsv",
+            "filepath\ttitle\n0.png\thello\n",
+            ["--caption-column", "text"],
+            "train.tsv: no column 'text' (named with --csv-caption-key): its header (tab-separated) has",
+            id="named-caption-column-missing",
+        ),
+        pytest.param(  # a header of one column has no separator to see: the .tsv name says tab
+            "urls.tsv",
+            "url\nhttp://x/0.png\n",
+            [],
+            "urls.tsv: no image/caption columns: its header (tab-separated) has url; name them",
+            id="tsv-name-hints-tab",
+        ),
+        pytest.param(
+            "records.jsonl",
+            '{"url": "0.png", "text": "hello"}\n',
+            [],
+            "records.jsonl, line 1: no image/caption columns: its first record has url, text; name them with "
+            "--csv-img-key and --csv-caption-key",
+            id="jsonl-other-keys",
+        ),
+        pytest.param(
+            "train.tsv",
+            "filepath\ttitle\n",
+            ["--csv-separator", ";;"],
+            "--csv-separator must be one character",
+            id="separator-of-two-characters",
+        ),
+    ],
+)
+def test_make_shards_names_the_columns_and_flags_in_one_line(tmp_path, capsys, name, text, flags, message):
+    write_index_pngs(tmp_path / "images", 1)
+    (tmp_path / name).write_text(text)
+    assert make_shards(tmp_path, name, *flags) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith("eva-fastclip make-shards: error: ") and message in captured.err
+    assert not (tmp_path / "out").exists()  # refused before any shard is written
 
 
 # --- expand_urls ----------------------------------------------------------------------------------------

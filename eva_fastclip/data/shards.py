@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 import logging
 import os
@@ -141,24 +142,100 @@ class CaptionRow:
     caption: str
 
 
+# The (image, caption) column pairs found without flags, in order of preference. Our own image/caption
+# comes first so that a file make-shards read before keeps giving the same shards when it also has
+# OpenCLIP's columns; filepath/title is open_clip_train's default (--csv-img-key/--csv-caption-key).
+CONVENTIONS = (("image", "caption"), ("filepath", "title"))
+_FLAGS = "--csv-img-key and --csv-caption-key"
+_FOUND_WITHOUT_FLAGS = "OpenCLIP's filepath/title and image/caption are found without flags"
+
+
 def read_captions(
-    captions_file: str | os.PathLike, image_column: str, caption_column: str
+    captions_file: str | os.PathLike,
+    image_column: str | None = None,
+    caption_column: str | None = None,
+    separator: str | None = None,
 ) -> list[CaptionRow]:
-    """All rows of a CSV (with header) or JSONL captions file; ValueError naming file and line if bad."""
+    """All rows of a CSV/TSV (with header) or JSONL captions file; ValueError naming file and line if bad.
+
+    A column left None is found in the header (or the first JSON record) by ``CONVENTIONS``; one that is
+    named must be there. ``separator`` None is read off the CSV header: a tab there means tab-separated, a
+    comma comma-separated, neither (one column) tab for a ``.tsv`` name, else comma. ``"\\t"`` as two
+    characters is a tab.
+    """
     path = Path(captions_file)
     if path.suffix.lower() in (".jsonl", ".json"):
         return list(_read_jsonl(path, image_column, caption_column))
-    return list(_read_csv(path, image_column, caption_column))
+    return list(_read_csv(path, image_column, caption_column, separator))
 
 
-def _read_csv(path: Path, image_column: str, caption_column: str) -> Iterator[CaptionRow]:
+def csv_separator(value: str) -> str:
+    """``value`` as the one-character delimiter csv takes; ``\\t`` as a shell passes it means a tab."""
+    separator = "\t" if value == "\\t" else value
+    if len(separator) != 1:
+        raise ValueError(f"--csv-separator must be one character (or \\t for a tab), got {value!r}")
+    return separator
+
+
+def _detect_separator(path: Path, header_line: str) -> str:
+    # the header, not the name, decides first: OpenCLIP's tab-separated files are often named .csv
+    if "\t" in header_line:
+        return "\t"
+    if "," in header_line:
+        return ","
+    return "\t" if path.suffix.lower() == ".tsv" else ","
+
+
+def _show(columns: Iterable[str]) -> str:
+    # repr without quotes: a tab or newline inside a name must not break the one-line message
+    return ", ".join(repr(column)[1:-1] for column in columns) or "no columns"
+
+
+def _pick_columns(
+    where: str, columns: Sequence[str], image_column: str | None, caption_column: str | None, what: str
+) -> tuple[str, str]:
+    """The (image, caption) columns to read: those named, else the first of ``CONVENTIONS`` present.
+
+    ``where`` starts the message ("captions.csv"); ``what`` says what ``columns`` are ("its header").
+    """
+    for column, flag in ((image_column, "--csv-img-key"), (caption_column, "--csv-caption-key")):
+        if column is not None and column not in columns:
+            raise ValueError(
+                f"{where}: no column {column!r} (named with {flag}): {what} has {_show(columns)}"
+            )
+    candidates = [
+        (image_column or image, caption_column or caption)
+        for image, caption in CONVENTIONS
+        if (image_column or image) in columns and (caption_column or caption) in columns
+    ]
+    if not candidates:
+        raise ValueError(
+            f"{where}: no image/caption columns: {what} has {_show(columns)}; "
+            f"name them with {_FLAGS} ({_FOUND_WITHOUT_FLAGS})"
+        )
+    if len(set(candidates)) > 1:
+        chosen, other = candidates[0], candidates[1]
+        logger.warning(
+            "%s: %s has both %s/%s and %s/%s; reading %s/%s", where, what, *chosen, *other, *chosen
+        )
+    return candidates[0]
+
+
+def _read_csv(
+    path: Path, image_column: str | None, caption_column: str | None, separator: str | None
+) -> Iterator[CaptionRow]:
     with path.open(newline="", encoding="utf-8-sig") as stream:
-        reader = csv.DictReader(stream)
+        header_line = stream.readline()
+        delimiter = _detect_separator(path, header_line) if separator is None else csv_separator(separator)
+        # the header line is read once: detection looks at it, then the reader parses it
+        reader = csv.DictReader(itertools.chain([header_line], stream), delimiter=delimiter)
         try:
             header = reader.fieldnames or []
-            for column in (image_column, caption_column):
-                if column not in header:
-                    raise ValueError(f"{path}, line 1: header has no column {column!r} (columns: {header})")
+            separated = {"\t": "tab", ",": "comma"}.get(delimiter, repr(delimiter)) + "-separated"
+            image_column, caption_column = _pick_columns(
+                str(path), header, image_column, caption_column, f"its header ({separated})"
+            )
+            logger.info("%s: %s, columns %r/%r", path, separated, image_column, caption_column)
             for row_number, record in enumerate(reader):
                 # DictReader fills missing trailing fields with None.
                 image, caption = record[image_column], record[caption_column]
@@ -172,7 +249,7 @@ def _read_csv(path: Path, image_column: str, caption_column: str) -> Iterator[Ca
             raise ValueError(f"{path}, line {reader.line_num}: {exc}") from exc
 
 
-def _read_jsonl(path: Path, image_column: str, caption_column: str) -> Iterator[CaptionRow]:
+def _read_jsonl(path: Path, image_column: str | None, caption_column: str | None) -> Iterator[CaptionRow]:
     with path.open(encoding="utf-8-sig") as stream:
         row_number = 0
         for line_number, line in enumerate(stream, start=1):
@@ -185,6 +262,14 @@ def _read_jsonl(path: Path, image_column: str, caption_column: str) -> Iterator[
             if not isinstance(record, dict):
                 raise ValueError(
                     f"{path}, line {line_number}: expected a JSON object, got {type(record).__name__}"
+                )
+            if row_number == 0:  # the first record decides the keys, as a CSV's header does
+                image_column, caption_column = _pick_columns(
+                    f"{path}, line {line_number}",
+                    list(record),
+                    image_column,
+                    caption_column,
+                    "its first record",
                 )
             for column in (image_column, caption_column):
                 if not isinstance(record.get(column), str):
@@ -212,11 +297,14 @@ def write_shards(
     *,
     samples_per_shard: int = 10000,
     start_index: int = 0,
-    image_column: str = "image",
-    caption_column: str = "caption",
+    image_column: str | None = None,
+    caption_column: str | None = None,
+    separator: str | None = None,
     verify_images: bool = True,
 ) -> dict[str, Any]:
     """Pack images and captions into ``out_dir/shard-*.tar`` plus ``manifest.json``; returns the manifest.
+
+    The captions file is read by ``read_captions``: columns and CSV separator not given are found in it.
 
     A sample's index is ``start_index`` + its row in the captions file, so re-running gives the same
     indices and a skipped row leaves a gap. Rows whose image is missing or (with ``verify_images``) does
@@ -224,7 +312,8 @@ def write_shards(
     """
     if samples_per_shard < 1:
         raise ValueError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
-    rows = read_captions(captions_file, image_column, caption_column)  # validates before anything is written
+    # validates the whole file before anything is written
+    rows = read_captions(captions_file, image_column, caption_column, separator)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
