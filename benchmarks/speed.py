@@ -7,6 +7,9 @@ batch size and one precision (bf16). Each is warmed up, then the timed steps are
 (one step of each contestant per round, the starting contestant rotating), so a slow phase of the machine
 hits all four alike. Reported: the median step time of each, samples/s, and two kinds of ratios: ours over
 OpenCLIP at equal masking, and each side's speed-up from masking. On CPU only the ratios mean anything.
+Both sides' TFLOP/s and MFU use one FLOP count per masking, the training log's (eva_fastclip/models/flops.py:
+3 x the forward's matrix products over the kept tokens) and its peak table (eva_fastclip/engine/throughput.py:
+A100, H100, H200 in bf16); ``--peak-tflops`` gives the peak elsewhere.
 
 - **ours**: ``Trainer.train_step`` — the DeepSpeed engine (ZeRO-1, bf16 module, LAMB by default:
   ``ds_configs/zero1_bf16_lamb.json``), our loss in fp32, ``engine.backward``, ``engine.step``, hooks.
@@ -284,15 +287,18 @@ def run_speed_benchmark(
     ds_config: str = DEFAULT_DS_CONFIG,
     output: str | Path | None = "runs/bench/speed.json",
     progress: bool = True,
+    peak_tflops: float | None = None,
 ) -> dict[str, Any]:
     """Build the four contestants, warm them up, time ``steps`` interleaved rounds; return (and write) the
-    results."""
+    results. ``peak_tflops``: the device's bf16 peak for MFU, where the training log's table has none."""
     import open_clip
 
     import eva_fastclip.models  # noqa: F401  (registers the shipped toy architectures with open_clip)
 
     if steps < 1 or warmup < 0 or batch_size < 1:
         raise ValueError("benchmarks.speed needs --steps >= 1, --warmup >= 0 and --batch-size >= 1")
+    if peak_tflops is not None and not peak_tflops > 0:
+        raise ValueError(f"benchmarks.speed needs --peak-tflops > 0, got {peak_tflops}")
     if model not in open_clip.list_models():
         raise ValueError(f"--model {model!r} is not an open_clip architecture")
     _warn_if_bf16_is_emulated()
@@ -306,6 +312,10 @@ def run_speed_benchmark(
     by_name = {
         name: _contestant_result(times[name], losses[name], phases[name], batch_size) for name in contestants
     }
+    flops = model_flops_per_mask(model)
+    peak = _peak(peak_tflops)
+    for name, result in by_name.items():
+        result.update(utilization(result, flops[name.rpartition("mask=")[2]], peak.tflops))
     results = {
         "config": {
             "model": model,
@@ -320,12 +330,49 @@ def run_speed_benchmark(
             f"(lr {OPENCLIP_LR}, betas {OPENCLIP_BETAS}, eps {OPENCLIP_EPS}, wd {OPENCLIP_WD})",
             "timing": "time.perf_counter around one step; rounds interleave the four contestants "
             "round-robin, the first one rotating each round; median per contestant",
+            "gflop_per_sample": {mask: f / 1e9 for mask, f in flops.items()},
+            "flops": "model FLOPs per training sample, both sides alike: 3 x the forward's matrix products "
+            "over the tokens the masking keeps (eva_fastclip/models/flops.py)",
+            "peak_tflops": peak.tflops,
+            "peak": peak.source,
         },
         "contestants": by_name,
         "ratios": speed_ratios(by_name),
         "environment": environment(threads),
     }
     return write_results(results, output)
+
+
+def model_flops_per_mask(model: str) -> dict[str, float]:
+    """The training FLOPs of one sample of ``model`` at each masking, keyed as the contestants' names
+    end ("0", "0.5"): the training log's count, the same for ours and OpenCLIP's (one architecture)."""
+    from eva_fastclip.config import ModelConfig
+    from eva_fastclip.models.flops import model_flops
+
+    return {f"{mask:g}": model_flops(ModelConfig(name=model, patch_dropout=mask)).training for mask in MASKS}
+
+
+def _peak(peak_tflops: float | None):
+    """The bf16 peak MFU divides by: ``--peak-tflops``, else the training log's table for this GPU."""
+    from eva_fastclip.engine.throughput import Peak
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return Peak.find(peak_tflops, device, "bf16")
+
+
+def utilization(result: dict[str, Any], flops: float, peak_tflops: float | None) -> dict[str, Any]:
+    """A contestant's model TFLOP/s and MFU (None without a peak), of the whole step and of its forward and
+    backward alone (the model's own work, without the optimizer step)."""
+    compute = result["phases_median_s"]["forward"] + result["phases_median_s"]["backward"]
+    tflops = result["samples_per_s"] * flops / 1e12
+    compute_tflops = tflops * result["median_s"] / compute if compute > 0 else None
+    return {
+        "gflop_per_sample": flops / 1e9,
+        "tflops": tflops,
+        "mfu": tflops / peak_tflops if peak_tflops else None,
+        "compute_tflops": compute_tflops,
+        "compute_mfu": compute_tflops / peak_tflops if peak_tflops and compute_tflops else None,
+    }
 
 
 def _warn_if_bf16_is_emulated() -> None:
@@ -418,18 +465,29 @@ def write_results(results: dict[str, Any], output: str | Path | None) -> dict[st
     return results
 
 
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
 def format_report(results: dict[str, Any]) -> str:
     cfg, env = results["config"], results["environment"]
+    gflop = ", ".join(f"mask {mask}: {value:.4g}" for mask, value in cfg["gflop_per_sample"].items())
+    if cfg["peak_tflops"]:
+        peak = f"MFU against a peak of {cfg['peak_tflops']:g} TFLOP/s ({cfg['peak']})"
+    else:
+        peak = f"no MFU: {cfg['peak']} (--peak-tflops sets one)"
     lines = [
         f"{cfg['model']}, batch {cfg['batch_size']}, bf16, {cfg['rounds']} interleaved rounds "
         f"(median), {env['torch_threads']} threads, {env['cpu_model']}",
-        f"{'contestant':<20} {'median s/step':>14} {'samples/s':>10} {'forward':>8} {'backward':>9} "
-        f"{'optimizer':>10}",
+        f"GFLOP per training sample, both sides: {gflop}; {peak}",
+        f"{'contestant':<20} {'median s/step':>14} {'samples/s':>10} {'TFLOP/s':>8} {'MFU':>6} "
+        f"{'fwd+bwd MFU':>12} {'forward':>8} {'backward':>9} {'optimizer':>10}",
     ]
     for name, r in results["contestants"].items():
         ph = r["phases_median_s"]
         lines.append(
-            f"{name:<20} {r['median_s']:>14.3f} {r['samples_per_s']:>10.2f} {ph['forward']:>8.3f} "
+            f"{name:<20} {r['median_s']:>14.3f} {r['samples_per_s']:>10.2f} {r['tflops']:>8.3g} "
+            f"{_percent(r['mfu']):>6} {_percent(r['compute_mfu']):>12} {ph['forward']:>8.3f} "
             f"{ph['backward']:>9.3f} {ph['optimizer']:>10.3f}"
         )
     ratios = results["ratios"]
@@ -455,6 +513,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per contestant first")
     p.add_argument("--deepspeed-config", default=DEFAULT_DS_CONFIG, help="our engine's JSON")
     p.add_argument("--output", default="runs/bench/speed.json", help="JSON file for all step times")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="the device's dense bf16 peak TFLOP/s for MFU (default: the training log's table: A100, H100, "
+        "H200; none elsewhere)",
+    )
     return p
 
 
@@ -467,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
             warmup=args.warmup,
             ds_config=args.deepspeed_config,
             output=args.output,
+            peak_tflops=args.peak_tflops,
         )
         print(format_report(results), flush=True)
         print(f"full results: {results['output']}", flush=True)

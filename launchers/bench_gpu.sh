@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The training-step benchmark of docs/benchmarks.md on one GPU: our DeepSpeed step (LAMB, then AdamW) against
-# OpenCLIP's own step, at a batch a GPU is meant for; then (BENCH_ACCUM=0 skips it) the cost of the contrastive
+# OpenCLIP's own step, at a batch a GPU is meant for, with both sides' model TFLOP/s and MFU (one FLOP count, the
+# training log's: docs/benchmarks.md, Throughput and MFU); then (BENCH_ACCUM=0 skips it) the cost of the contrastive
 # batch: the global batch ACCUM_BATCH in 4 micro-batches, micro and global (cached) accumulation against one
 # micro-batch and OpenCLIP's own --accum-freq 4 step; then (BENCH_DATA=0 skips it) benchmarks.data_loader with
 # --device cuda: both loaders feeding the GPU, and ours with the JPEGs decoded there (data.image_decode=gpu); then
@@ -25,7 +26,7 @@ for optim in lamb adamw; do
     --steps "${STEPS:-20}" --warmup 5 --deepspeed-config "ds_configs/zero1_bf16_${optim}.json" \
     --output "$out/speed_${optim}_gpu.json" > "$out/speed_${optim}_gpu.log" 2>&1 || { tail -40 "$out/speed_${optim}_gpu.log"; exit 1; }
 done
-for optim in lamb adamw; do echo "== ds_configs/zero1_bf16_${optim}.json"; tail -11 "$out/speed_${optim}_gpu.log"; done
+for optim in lamb adamw; do echo "== ds_configs/zero1_bf16_${optim}.json"; tail -13 "$out/speed_${optim}_gpu.log"; done
 if [ "${BENCH_ACCUM:-1}" = 1 ]; then
   python3 -m benchmarks.accumulation --accumulate 4 --model "${MODEL:-ViT-B-16}" --batch-size "${ACCUM_BATCH:-512}" \
     --steps "${ACCUM_STEPS:-10}" --warmup 2 --output "$out/accumulation_gpu.json" > "$out/accumulation_gpu.log" 2>&1 \

@@ -98,7 +98,10 @@ def files_of(folder: Path, mtimes: bool = False) -> dict:
 
 
 def step_log(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    """The run's train_log.jsonl, one record per optimizer step, without the windows' throughput figures
+    (``perf/*``: timings, which differ from run to run)."""
+    records = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in record.items() if not k.startswith("perf/")} for record in records]
 
 
 def complete_steps(out: Path) -> list[int]:

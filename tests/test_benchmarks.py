@@ -2,22 +2,39 @@
 are never asserted (only ratios measured on a real machine mean anything). The loss benchmark, which
 starts its ranks, is tests/launched/test_bench_loss_ranks.py's."""
 
+import pytest
+
 from benchmarks.speed import format_report, run_speed_benchmark
 
 
 def test_speed_benchmark_reports_all_contestants_and_phases(tmp_path):
     results = run_speed_benchmark(
-        model="test-vit-xs", batch_size=4, steps=2, warmup=1, output=tmp_path / "speed.json", progress=False
+        model="test-vit-xs",
+        batch_size=4,
+        steps=2,
+        warmup=1,
+        output=tmp_path / "speed.json",
+        progress=False,
+        peak_tflops=0.001,  # no GPU here: the table has no peak for a CPU
     )
     assert (tmp_path / "speed.json").is_file()
     names = ["ours mask=0", "openclip mask=0", "ours mask=0.5", "openclip mask=0.5"]
     assert list(results["contestants"]) == names
-    for r in results["contestants"].values():
+    gflop = results["config"]["gflop_per_sample"]  # the training log's count, one per masking
+    assert list(gflop) == ["0", "0.5"] and gflop["0"] > gflop["0.5"] > 0
+    assert results["config"]["peak_tflops"] == 0.001
+    for name, r in results["contestants"].items():
         assert len(r["step_times_s"]) == 2 and len(r["losses"]) == 3
         assert set(r["phases_median_s"]) == {"forward", "backward", "optimizer"}
         assert sum(r["phases_median_s"].values()) <= r["median_s"] * 1.5
+        assert r["gflop_per_sample"] == gflop[name.rpartition("=")[2]]  # ours and OpenCLIP's alike
+        assert r["tflops"] == pytest.approx(r["samples_per_s"] * r["gflop_per_sample"] / 1e3)
+        assert r["mfu"] == pytest.approx(r["tflops"] / 0.001)
+        compute = r["phases_median_s"]["forward"] + r["phases_median_s"]["backward"]  # without the optimizer
+        assert r["compute_mfu"] == pytest.approx(r["mfu"] * r["median_s"] / compute)
     report = format_report(results)
     assert "masking speed-up, ours" in report and "forward+backward" in report
+    assert "MFU" in report and "GFLOP per training sample, both sides: mask 0: " in report
 
 
 def test_lamb_benchmark_times_both_trust_ratio_rules(tmp_path):

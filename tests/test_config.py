@@ -59,6 +59,10 @@ def test_defaults_and_overrides(tmp_path):
         ),
         ({"loss": {"name": "fastclip_v3", "temperature_lr_drop_factor": -3}}, "must be in (0, 1]"),
         ({"loss": {"name": "fastclip_v3", "temperature_lr_drop_below": 0}}, "drop_below must be > 0"),
+        ({"train": {"peak_tflops": 0}}, "train.peak_tflops must be > 0, got 0"),
+        ({"train": {"peak_tflops": -312.0}}, "train.peak_tflops must be > 0"),
+        ({"train": {"peak_tflops": "989"}}, "'train.peak_tflops' must be float"),
+        ({"train": {"peak_tflops": float("inf")}}, "'train.peak_tflops' must be a finite number"),
     ],
 )
 def test_rejects_bad_values_naming_the_key(tmp_path, payload, message):

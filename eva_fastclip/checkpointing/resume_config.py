@@ -128,6 +128,7 @@ RULES: dict[str, Rule] = {
     "train.preempt_signal": Rule(CHANGE),
     "train.keep_checkpoints": Rule(CHANGE),
     "train.log_every_steps": Rule(CHANGE),
+    "train.peak_tflops": Rule(CHANGE),  # read afresh: the log's MFU
     "train.max_skipped_steps": Rule(CHANGE),
     "eval.zeroshot_dir": Rule(CHANGE),
     "eval.retrieval_shards": Rule(CHANGE),

@@ -481,6 +481,9 @@ class TrainConfig:
     """Complete checkpoints kept; older ones are deleted only after a newer one is complete."""
     log_every_steps: int = 10
     """TensorBoard logging period in optimizer steps (the console's progress bar shows every step's loss)."""
+    peak_tflops: float | None = None
+    """Dense peak TFLOP/s of one rank's device in the run's precision, which MFU divides by (perf/mfu);
+    null: NVIDIA's figure for an A100, H100 or H200 (engine/throughput.py), no MFU on other devices."""
     max_skipped_steps: int = 20
     """Stop the run after this many optimizer steps in a row that were skipped (non-finite gradients) or
     had a non-finite loss, without saving over the last complete checkpoint; 0: never stop. 20 lets fp16's
@@ -536,6 +539,8 @@ class TrainConfig:
             )
         _positive("train.keep_checkpoints", self.keep_checkpoints)
         _positive("train.log_every_steps", self.log_every_steps)
+        if self.peak_tflops is not None:
+            _positive("train.peak_tflops", self.peak_tflops)
         _positive("train.max_skipped_steps", self.max_skipped_steps, allow_zero=True)
         if self.precision not in PRECISIONS:
             raise ConfigError(f"train.precision must be one of {PRECISIONS}, got {self.precision!r}")

@@ -14,7 +14,8 @@ Its own state is small: the step, the epoch and the micro-batches taken in it (:
 whose phases it names. Non-finite steps stop the run after ``train.max_skipped_steps`` of them in a row,
 and non-finite weights are never saved (reliability/bad_steps.py). Each logging window compares the
 ranks' own work (reliability/stragglers.py) and their data wait (reliability/data_wait.py) in one
-all-gather.
+all-gather, and logs the window's throughput: samples/s and model TFLOP/s per rank, MFU
+(engine/throughput.py), which the step log's line of its last step and the run's end carry too.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from eva_fastclip.engine.contrastive_step import (
 from eva_fastclip.engine.evaluate import evaluate_model, format_results
 from eva_fastclip.engine.run_log import RunLog
 from eva_fastclip.engine.setup import initialize_engine, read_full_parameter, write_full_parameter_
+from eva_fastclip.engine.throughput import Throughput, throughput_of
 from eva_fastclip.losses import Gatherer, build_loss
 from eva_fastclip.models import create_model
 from eva_fastclip.models.kernels import configure_kernels
@@ -90,6 +92,9 @@ class Trainer:
             temperature=self.temperature,
         )
         self.input_dtype = autocast_dtype(plan.deepspeed)
+        self.throughput = Throughput.for_run(self.cfg, self.layout.per_rank, self.device, plan.precision.name)
+        if self.is_main:
+            log.info(self.throughput.describe())
         self.engine = initialize_engine(
             self.bundle.model,
             self.cfg,
@@ -159,9 +164,10 @@ class Trainer:
                 stop, save_now = self._end_step(metrics)  # raises NonFiniteSteps after too many bad steps
                 progress.update(1)
                 progress.set_postfix(loss=f"{metrics['loss']:.3f}", **shown, refresh=False)
-                self.log.step(self.step, self.epoch, metrics)
+                window: dict[str, float] = {}
                 if self.step % cfg.log_every_steps == 0 or self.step == self.total_steps:
-                    shown = self._log_window(metrics, data_wait) or shown  # collectives: every rank
+                    window, shown = self._log_window(metrics, data_wait, shown)  # collectives: every rank
+                self.log.step(self.step, self.epoch, {**metrics, **throughput_of(window)})
                 if stop:  # after the step's logs: the stopped step is in TensorBoard too
                     self._stop_preempted()  # saves, raises Preempted
                 if self.cfg.eval.every_steps and self.step % self.cfg.eval.every_steps == 0:
@@ -173,6 +179,8 @@ class Trainer:
             else:  # the epoch ran to its end
                 self.epoch, self.micro_in_epoch = self.epoch + 1, 0
         progress.close()
+        if self.is_main and (line := self.throughput.summary_line()):
+            log.info(line)
         self.watchdog.set_phase("finish", self.step)
         if (
             self.checkpointer.saved_step != self.step
@@ -315,7 +323,7 @@ class Trainer:
         final = self.cfg.model.unmasked_final_steps
         if final and not self.unmasked and self.step >= self.total_steps - final:
             count = set_patch_dropout(self.engine.module, 0.0)
-            self.unmasked = True
+            self.unmasked, self.throughput.unmasked_from = True, self.step + 1
             if self.is_main:
                 log.info(
                     "step %d: patch dropout off for the last %d steps (%d modules)", self.step, final, count
@@ -421,23 +429,25 @@ class Trainer:
             results = {}
         if final and results and self.is_main:
             print(format_results(results), flush=True)
-            summary = {"step": self.step, **results}
+        throughput = {"throughput": self.throughput.summary()} if final and self.throughput.summary() else {}
+        if final and self.is_main and (results or throughput):
+            summary = {"step": self.step, **results, **throughput}
             (self.output_dir / "final_metrics.json").write_text(json.dumps(summary, indent=2))
         if self.preemption is not None:
             self.preemption.mark()  # the next step's time leaves the evaluation out
         return results
 
-    def _log_window(self, metrics: dict[str, float], data_wait: DataWait) -> dict[str, str] | None:
+    def _log_window(self, metrics: dict[str, float], data_wait: DataWait, shown: dict[str, str]):
         """The logging window's TensorBoard scalars: the step's metrics with the samples skipped so far,
-        and perf/*; returns the progress bar's data wait where it was measured. Every rank calls it
-        (collectives)."""
+        and perf/*; returns perf/* and the progress bar's data wait (``shown`` where none was measured).
+        Every rank calls it (collectives)."""
         metrics = {**metrics, **self._skipped_samples()}
         perf = self._perf_window(data_wait)
         self.log.scalars(metrics, self.step)
         self.log.scalars(perf, self.step, prefix="")
         if "perf/data_wait_fraction" in perf:
-            return {"data": f"{perf['perf/data_wait_fraction']:.0%}"}
-        return None
+            shown = {"data": f"{perf['perf/data_wait_fraction']:.0%}"}
+        return perf, shown
 
     def _skipped_samples(self) -> dict[str, float]:
         """Samples the loaders skipped so far, summed over ranks, as metrics ``data/skipped`` (the total) and
@@ -472,4 +482,8 @@ class Trainer:
         for warning in (data_wait.warning(window, self.step), named):
             if warning and self.is_main:
                 log.warning(warning)
-        return {**data_wait.metrics(window), **stragglers}
+        return {
+            **data_wait.metrics(window),
+            **stragglers,
+            **self.throughput.window(window.steps, window.wall, self.step),
+        }

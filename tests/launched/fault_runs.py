@@ -4,6 +4,7 @@ fp32 on CPU, FastCLIP-v3 with patch dropout 0.5, the session's toy data (tests/c
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from launching import train_args
@@ -40,9 +41,11 @@ def last_complete(out: Path) -> int:
     return int(checkpoint.complete_checkpoints(out / "checkpoints")[-1].name.removeprefix("step_"))
 
 
-def step_log(out: Path) -> list[str]:
-    """The run's train_log.jsonl, one line per optimizer step."""
-    return (out / "train_log.jsonl").read_text().splitlines()
+def step_log(out: Path) -> list[dict]:
+    """The run's train_log.jsonl, one record per optimizer step, without the windows' throughput figures
+    (``perf/*``: timings, which differ from run to run)."""
+    records = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in record.items() if not k.startswith("perf/")} for record in records]
 
 
 def straggler_lines(output: str) -> list[str]:
