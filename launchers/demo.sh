@@ -8,5 +8,6 @@ cd "$(dirname "$0")/.."
 # --resume latest: run again, the demo goes on from its last checkpoint (a finished run only evaluates)
 # instead of stopping at the earlier run's checkpoints; `make clean` starts it over
 source launchers/master_port.sh  # a free port unless MASTER_PORT is set
-exec deepspeed --num_gpus "${NUM_RANKS:-2}" --master_port "$MASTER_PORT" --module eva_fastclip train \
+source launchers/supervisor.sh  # Ctrl-C: the ranks save, then the command returns
+exec "${supervised[@]}" deepspeed --num_gpus "${NUM_RANKS:-2}" --master_port "$MASTER_PORT" --module eva_fastclip train \
     --config configs/toy.json --resume latest "$@"

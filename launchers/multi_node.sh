@@ -20,6 +20,7 @@ if ! grep -q '^PATH=' .deepspeed_env 2>/dev/null; then
     [ ! -s .deepspeed_env ] || [ -z "$(tail -c 1 .deepspeed_env)" ] || echo >> .deepspeed_env
     echo "PATH=$PATH" >> .deepspeed_env
 fi
-source "$(dirname "$0")/restarts.sh"
-exec ${restarts[@]+"${restarts[@]}"} deepspeed --hostfile "$HOSTFILE" --master_addr "$MASTER_ADDR" --master_port "${MASTER_PORT:-29500}" \
+# under the launch supervisor: returns after every node's save, 75 when preempted (supervisor.sh)
+source "$(dirname "$0")/supervisor.sh"
+exec "${supervised[@]}" deepspeed --hostfile "$HOSTFILE" --master_addr "$MASTER_ADDR" --master_port "${MASTER_PORT:-29500}" \
     --module eva_fastclip train --config "$config" "$@"

@@ -1,13 +1,12 @@
-# Sourced by the launchers: with MAX_RESTARTS > 0, the array "restarts" runs deepspeed under the restart
-# supervisor (eva_fastclip/reliability/restarts.py: a failed run goes on with --resume latest, up to MAX_RESTARTS
-# times; lost hosts left out while MIN_NODES remain); otherwise it is empty and deepspeed runs as it is
-# (expanded as ${restarts[@]+"${restarts[@]}"}: an empty array is "unbound" under set -u before bash 4.4).
-restarts=()
-if [ "${MAX_RESTARTS:-0}" != 0 ]; then
-    if ! [[ ${MAX_RESTARTS} =~ ^[0-9]+$ && ${MIN_NODES:-1} =~ ^[1-9][0-9]*$ ]]; then
-        echo "$(basename "$0"): MAX_RESTARTS=$MAX_RESTARTS and MIN_NODES=${MIN_NODES:-1} must be whole numbers" \
-            "(MIN_NODES at least 1)" >&2
-        exit 2
-    fi
-    restarts=(python -m eva_fastclip.reliability.restarts --max-restarts "$MAX_RESTARTS" --min-nodes "${MIN_NODES:-1}" --)
+# Sourced by the launchers: the array "supervised" runs deepspeed under the launch supervisor
+# (python -m eva_fastclip.reliability.supervisor; docs/launching.md): the command returns only after every
+# rank has saved and exited, with 75 when the run was preempted and saved, else the ranks' own code; a stop
+# signal to it reaches the ranks. MAX_RESTARTS=N > 0 also reruns a failed run with --resume latest up to N
+# times, leaving out hosts that no longer answer ssh while MIN_NODES remain (docs/reliability.md).
+if ! [[ ${MAX_RESTARTS:-0} =~ ^[0-9]+$ && ${MIN_NODES:-1} =~ ^[1-9][0-9]*$ ]]; then
+    echo "$(basename "$0"): MAX_RESTARTS=${MAX_RESTARTS:-0} and MIN_NODES=${MIN_NODES:-1} must be whole numbers" \
+        "(MIN_NODES at least 1)" >&2
+    exit 2
 fi
+supervised=(python -m eva_fastclip.reliability.supervisor --max-restarts "${MAX_RESTARTS:-0}"
+            --min-nodes "${MIN_NODES:-1}" --)

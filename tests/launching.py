@@ -56,7 +56,8 @@ class Launch:
     """``deepspeed --num_gpus RANKS --master_port FREE PROGRAM...`` from the repository root, its output in
     ``log``. PROGRAM: ``["--module", "eva_fastclip", ...]`` or ``[SCRIPT, ...]``. With ``script`` (one of
     launchers/, which takes ``NUM_GPUS`` and ``MASTER_PORT`` from the environment): ``SCRIPT PROGRAM...``,
-    PROGRAM its arguments (``CONFIG [train options]``); it execs the same command."""
+    PROGRAM its arguments (``CONFIG [train options]``); it execs the launch supervisor over the same
+    command. ``prefix``: what runs the script (``unshare ...``)."""
 
     def __init__(
         self,
@@ -67,13 +68,14 @@ class Launch:
         env: dict[str, str] | None = None,
         preexec_fn=None,
         script: Path | None = None,
+        prefix: Sequence[str] = (),
     ) -> None:
         self.log, self.port = Path(log), free_port()
         if script is None:
             deepspeed = str(Path(sys.executable).parent / "deepspeed")
             command = [deepspeed, "--num_gpus", str(ranks), "--master_port", str(self.port), *program]
         else:
-            command = [str(script), *program]
+            command = [*prefix, str(script), *program]
             env = {**(env or {}), "NUM_GPUS": str(ranks), "MASTER_PORT": str(self.port)}
         self._out = open(self.log, "w")  # noqa: SIM115 (closed in wait)
         self.proc = subprocess.Popen(

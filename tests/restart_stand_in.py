@@ -1,5 +1,5 @@
 """A stand-in for the ``deepspeed`` command under the restart supervisor
-(eva_fastclip/reliability/restarts.py): a script that records its arguments and exits with the codes it is
+(eva_fastclip/reliability/supervisor.py): a script that records its arguments and exits with the codes it is
 given, one per run (tests/test_restarts.py, tests/launched/test_restarts_sigterm.py)."""
 
 from __future__ import annotations

@@ -1,21 +1,21 @@
-"""The restart supervisor (eva_fastclip/reliability/restarts.py) around a stand-in for the ``deepspeed``
-command (tests/restart_stand_in.py), run in this process through its ``main``: what is rerun with
-``--resume latest``, what is not, and the lines it logs. A SIGTERM to the supervisor's own process is
-tests/launched/test_restarts_sigterm.py's; the real runs, with a node lost,
+"""The launch supervisor's restarts (eva_fastclip/reliability/supervisor.py, restarts.py) around a
+stand-in for the ``deepspeed`` command (tests/restart_stand_in.py), run in this process through its
+``main``: what is rerun with ``--resume latest``, what is not, and the lines it logs. A SIGTERM to the
+supervisor's own process is tests/launched/test_restarts_sigterm.py's; the real runs, with a node lost,
 tests/launched/test_multi_node.py's."""
 
 import pytest
 from restart_stand_in import calls, stand_in
 
-from eva_fastclip.reliability import restarts
+from eva_fastclip.reliability import supervisor
 from eva_fastclip.reliability.restarts import cause, with_option
 
 
 def supervise(command: list[str], max_restarts: int, capfd) -> tuple[int, str]:
-    """``python -m eva_fastclip.reliability.restarts --max-restarts N -- COMMAND``: its exit code and what
+    """``python -m eva_fastclip.reliability.supervisor --max-restarts N -- COMMAND``: its exit code and what
     it wrote to stderr."""
     capfd.readouterr()
-    code = restarts.main(["--max-restarts", str(max_restarts), "--", *command])
+    code = supervisor.main(["--max-restarts", str(max_restarts), "--", *command])
     return code, capfd.readouterr().err
 
 

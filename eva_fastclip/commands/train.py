@@ -61,29 +61,49 @@ def dry_run(cfg, ds: dict, world_size: int, resume: str | None) -> int:
 
 
 def train(cfg, ds: dict, resume: str | None) -> int:
-    from eva_fastclip.checkpointing.checkpoint import CheckpointWriteError
+    """The run under the hang watchdog, holding its output folder (reliability/run_lock.py): the exit code
+    is recorded in ``run_exit.json`` as the folder is given up, for the launch supervisor."""
+    from pathlib import Path
+
     from eva_fastclip.data.workers import fork_worker_server
-    from eva_fastclip.engine.build import build_trainer
-    from eva_fastclip.reliability.bad_steps import NonFiniteSteps
-    from eva_fastclip.reliability.preemption import PREEMPTED_EXIT_CODE, Preempted, outlive_closed_output
-    from eva_fastclip.reliability.watchdog import Watchdog
+    from eva_fastclip.reliability.preemption import outlive_closed_output
+    from eva_fastclip.reliability.run_lock import RunLock
 
     if cfg.data.workers or cfg.eval.workers:
         fork_worker_server()  # now, while this rank has one thread: forked from it (data/workers.py)
     outlive_closed_output()  # a stop on several nodes closes the output first (reliability/preemption.py)
+    lock = RunLock(Path(cfg.train.output_dir))  # taken by rank 0 only (engine/build.py)
+    code, detail = 1, "an unexpected error"
+    try:
+        code, detail = _train_held(cfg, ds, resume, lock)
+        return code
+    except (ValueError, FileNotFoundError) as err:  # cli.main's exit code 2 (ConfigError is a ValueError)
+        code, detail = 2, str(err)
+        raise
+    finally:
+        lock.release(code, detail)
+
+
+def _train_held(cfg, ds: dict, resume: str | None, lock) -> tuple[int, str]:
+    from eva_fastclip.checkpointing.checkpoint import CheckpointWriteError
+    from eva_fastclip.engine.build import build_trainer
+    from eva_fastclip.reliability.bad_steps import NonFiniteSteps
+    from eva_fastclip.reliability.preemption import PREEMPTED_EXIT_CODE, Preempted
+    from eva_fastclip.reliability.watchdog import Watchdog
+
     try:
         with Watchdog.for_run(cfg.train) as dog:
-            build_trainer(cfg, ds, resume=resume, watchdog=dog).train()
+            build_trainer(cfg, ds, resume=resume, watchdog=dog, lock=lock).train()
     except NonFiniteSteps as err:  # the last complete checkpoint is intact: say which, exit non-zero
         _say(f"stopped: {err}")
-        return 3
+        return 3, str(err)
     except Preempted as err:  # saved at a step boundary: resumable, not a failure
         _say(f"preempted: {err}")
-        return PREEMPTED_EXIT_CODE
+        return PREEMPTED_EXIT_CODE, str(err)
     except CheckpointWriteError as err:  # nothing of it left behind; the last complete one is intact
         _say(f"stopped: {err}")
-        return 4
-    return 0
+        return 4, str(err)
+    return 0, "finished"
 
 
 def _say(line: str) -> None:

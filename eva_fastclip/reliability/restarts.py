@@ -1,14 +1,12 @@
-"""Restart a failed run by itself: ``MAX_RESTARTS=N`` for launchers/single_node.sh and multi_node.sh.
+"""What a restart decides: which failures are restarted, the step a restart goes on from, the hosts left.
 
-    python -m eva_fastclip.reliability.restarts --max-restarts N [--min-nodes M] -- \
-        deepspeed ... train --config C ...
-
-runs the ``deepspeed`` command; when it fails, it runs it again with ``--resume latest``, up to N times,
-logging one line per restart: the exit code and what it means, and the step the run goes on from. Not
-restarted: success, a configuration error (2: it would fail the same way), too many non-finite steps (3:
-the same data gives the same steps again), a checkpoint that could not be written (4: the disk is still
-full), a preemption (75: the scheduler requeues it) and a stop asked of this process (SIGTERM, Ctrl-C:
-passed on to the run, which saves and exits; docs/reliability.md).
+``MAX_RESTARTS=N`` for the launchers runs the launch supervisor (reliability/supervisor.py) with
+``--max-restarts N``: when the run fails, it runs it again with ``--resume latest``, up to N times, logging
+one line per restart: the exit code and what it means, and the step the run goes on from. Not restarted:
+success, a configuration error (2: it would fail the same way), too many non-finite steps (3: the same data
+gives the same steps again), a checkpoint that could not be written (4: the disk is still full), a
+preemption (75: the scheduler requeues it) and a stop asked of the supervisor (SIGTERM, Ctrl-C: passed on to
+the run, which saves and exits; docs/reliability.md).
 
 With ``--hostfile`` in the command (multi_node.sh), each host is probed over ssh before a restart
 (DeepSpeed reaches them the same way); those that do not answer are left out of a hostfile written beside
@@ -23,17 +21,11 @@ training is broken on torch 2.x; the loop keeps that launch and adds only the re
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import os
-import shlex
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-
-from eva_fastclip.reliability.signals import STOP_SIGNALS
 
 #: exit codes that a restart would not cure, and what they mean
 NOT_RESTARTED = {
@@ -45,12 +37,10 @@ NOT_RESTARTED = {
 #: what the other failures usually mean (the ranks' own codes pass through launch.py and pdsh)
 CAUSES = {1: "a rank failed", 124: "a hang (a rank's watchdog)", 255: "a node lost (ssh ended)"}
 PROBE_TIMEOUT_S = 10
-#: how long the run's processes may outlive its launcher (ranks saving after a stop)
-GROUP_EXIT_S = 60.0
 
 
 def log(message: str) -> None:
-    print(f"[restarts {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+    print(f"[supervisor {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def cause(code: int) -> str:
@@ -91,15 +81,29 @@ def with_option(command: list[str], name: str, value: str) -> list[str]:
     return out if replaced else [*out, name, value]
 
 
-def resumed_step(command: list[str]) -> str:
-    """The step ``--resume latest`` goes on from: the last complete checkpoint of the run's output folder."""
-    from eva_fastclip.checkpointing import checkpoint
+def train_config(command: list[str]):
+    """The config of the ``train`` command in ``command`` (its ``--config`` and ``--set``s), or None where
+    there is none or it does not load (the run itself says what is wrong)."""
     from eva_fastclip.config import load_config
 
     train = command[command.index("train") + 1 :] if "train" in command else []
+    if option(train, "--config") is None:
+        return None
     overrides = [train[i + 1] for i, arg in enumerate(train[:-1]) if arg == "--set"]
     try:
-        cfg = load_config(option(train, "--config"), overrides)
+        return load_config(option(train, "--config"), overrides)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def resumed_step(command: list[str]) -> str:
+    """The step ``--resume latest`` goes on from: the last complete checkpoint of the run's output folder."""
+    from eva_fastclip.checkpointing import checkpoint
+
+    cfg = train_config(command)
+    if cfg is None:
+        return "the last complete checkpoint (the config is not read here)"
+    try:
         latest = checkpoint.resolve_resume("latest", Path(cfg.train.output_dir) / "checkpoints")
     except Exception as err:  # noqa: BLE001 (the run itself will say what is wrong)
         return f"the last complete checkpoint (not read here: {err})"
@@ -148,80 +152,3 @@ def surviving_nodes(command: list[str], min_nodes: int) -> list[str] | None:
         log(f"--master_addr {master} is lost: rank 0 moves to {first}")
         command = with_option(command, "--master_addr", first)
     return command
-
-
-def run(command: list[str]) -> int:
-    """Run ``command`` in a process group of its own until every process of the group has ended. A stop
-    signal to this process goes to the whole group: on one node DeepSpeed's runner passes nothing on, and
-    launch.py and the ranks (which save, then exit) would go on without it."""
-    proc = subprocess.Popen(command, start_new_session=True)
-    stopping = []
-
-    def pass_on(signum, _frame):
-        stopping.append(signum)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signum)
-
-    previous = {sig: signal.signal(sig, pass_on) for sig in STOP_SIGNALS}
-    try:
-        code = proc.wait()
-        deadline = time.monotonic() + GROUP_EXIT_S  # launch.py's SIGKILL comes 30 s after its SIGTERM
-        while _group_alive(proc.pid):
-            if time.monotonic() > deadline:
-                log(f"processes of the run still alive {GROUP_EXIT_S:.0f} s after its launcher: SIGKILL")
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                break
-            time.sleep(0.2)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return 128 + stopping[0] if stopping else code
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m eva_fastclip.reliability.restarts", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument("--max-restarts", type=int, required=True)
-    parser.add_argument("--min-nodes", type=int, default=1)
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the deepspeed command")
-    args = parser.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command or args.max_restarts < 0 or args.min_nodes < 1:
-        parser.error("give MAX_RESTARTS >= 0, MIN_NODES >= 1 and the command after --")
-    restarts = 0
-    while True:
-        started = time.monotonic()
-        code = run(command)
-        if code == 0:
-            return 0
-        if code in NOT_RESTARTED or code - 128 in STOP_SIGNALS:
-            why = NOT_RESTARTED.get(code, "a stop was asked for")
-            log(f"the run exited with code {code}: {why}; not restarted")
-            return code
-        if restarts >= args.max_restarts:
-            log(f"the run exited with code {code} ({cause(code)}) after {restarts} restart(s): no more")
-            return code
-        next_command = surviving_nodes(command, args.min_nodes)
-        if next_command is None:
-            return code
-        restarts += 1
-        command = with_option(next_command, "--resume", "latest")
-        took = time.monotonic() - started
-        log(
-            f"restart {restarts} of {args.max_restarts}: the run exited with code {code} ({cause(code)}) "
-            f"after {took:.0f} s; resuming from {resumed_step(command)}: {shlex.join(command)}"
-        )
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

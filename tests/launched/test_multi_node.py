@@ -5,11 +5,12 @@ The nodes are this machine under two loopback addresses, 127.0.0.1 and 127.0.0.2
 starts its own sshd on both (a free port, host and client keys it generates, nothing but loopback) and puts
 an ``ssh`` first on PATH that uses an ssh config of its own: the stand-in for the ``~/.ssh/config`` of a
 cluster user, which reaches both DeepSpeed's ssh check and pdsh, while the real ``~/.ssh`` is neither read
-nor changed. The run stopped by a SIGTERM to the ``deepspeed`` command is then resumed on one node with the
-same world size (2 ranks of the rank pool; ``launchers/single_node.sh``'s command line is
-tests/launched/test_launchers.py's); another number of ranks is tests/launched/test_resume_runs.py's.
-Those two launches serve four tests; a rank killed on node 2 and the loss of that node at the restart
-share a run; a stopped rank has one of its own.
+nor changed. A SLURM job on both (launchers/slurm.sbatch, with SLURM's environment and a stand-in
+``scontrol``) stopped as ``--signal=B:USR1`` stops it is then resumed on one node with the same world size
+(2 ranks of the rank pool; ``launchers/single_node.sh``'s command line is tests/launched/test_launchers.py's)
+and compared with an uninterrupted run; another number of ranks is tests/launched/test_resume_runs.py's.
+Those launches serve five tests; a rank killed on node 2 and the loss of that node at the restart share a
+run; a stopped rank has one of its own.
 
 Skipped, saying why, where sshd or pdsh is missing (``.ci/run`` installs them: Debian packages
 openssh-server and pdsh).
@@ -30,11 +31,14 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
+from fault_runs import step_log
 from launching import REPO, cmdline, free_port, run_ranks, still_running
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from eva_fastclip.checkpointing import checkpoint
 from eva_fastclip.data import write_toy_dataset
+from eva_fastclip.export import consolidated_state_dict
 
 pytestmark = pytest.mark.launcher
 
@@ -159,6 +163,32 @@ def two_node_run(ssh, tmp: Path, **train) -> dict[str, str]:
     return env
 
 
+JOB_ID = "4243"
+
+
+def fake_slurm(tmp: Path, path: str) -> dict[str, str]:
+    """SLURM's batch environment on an allocation of both "nodes" (the submit folder ``tmp``), and ``path``
+    after a folder whose ``scontrol`` names them and records ``requeue`` in ``tmp/requeued``."""
+    bin_dir = tmp / "slurm_bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(
+        "#!/usr/bin/env bash\n"
+        'case "$1 $2" in\n'
+        f'  "show hostnames") printf "%s\\n" {" ".join(HOSTS)} ;;\n'
+        f'  "requeue {JOB_ID}") echo "$*" >> {tmp / "requeued"} ;;\n'
+        '  *) echo "scontrol stand-in: $*" >&2; exit 1 ;;\n'
+        "esac\n"
+    )
+    (bin_dir / "scontrol").chmod(0o755)
+    return {
+        "SLURM_JOB_ID": JOB_ID,
+        "SLURM_JOB_NODELIST": "loopback[1-2]",
+        "SLURM_GPUS_ON_NODE": "1",
+        "SLURM_SUBMIT_DIR": str(tmp),
+        "PATH": f"{bin_dir}:{path}",
+    }
+
+
 def node_processes(config: Path) -> list[psutil.Process]:
     """Every process of a launch of ``config`` on this machine: both nodes' launchers, their ranks and
     the ranks' descendants (fork servers, loader workers)."""
@@ -171,9 +201,14 @@ def node_processes(config: Path) -> list[psutil.Process]:
 
 
 class FaultRun:
-    """launchers/multi_node.sh on both "nodes" with a config of its own, saving every 3 steps."""
+    """launchers/multi_node.sh on both "nodes" with a config of its own, saving every 3 steps; or, with
+    ``slurm``, launchers/slurm.sbatch run by bash as sbatch would on an allocation of both (SLURM's
+    environment, and a stand-in ``scontrol`` that names both hosts and records a requeue), which writes the
+    hostfile and runs multi_node.sh."""
 
-    def __init__(self, ssh, tmp_path: Path, steps: int, train: dict | None = None, **env: str) -> None:
+    def __init__(
+        self, ssh, tmp_path: Path, steps: int, train: dict | None = None, slurm: bool = False, **env: str
+    ) -> None:
         self.out, self.config = tmp_path / "run", tmp_path / "config.json"
         env = {
             **two_node_run(
@@ -181,10 +216,18 @@ class FaultRun:
             ),
             **env,
         }
+        command = [REPO / "launchers" / "multi_node.sh", self.config]
+        if slurm:
+            command = [REPO / "launchers" / "slurm.sbatch", self.config]
+            env.update(fake_slurm(tmp_path, env["PATH"]), EVA_FASTCLIP_ROOT=str(REPO))
+            # the rank pool's threads a rank (tests/rank_pool.py: the cores shared by 2 ranks), so that the
+            # runs compared with this one sum in the same order, to the bit
+            threads = max(1, (os.cpu_count() or 1) // 2)
+            (tmp_path / ".deepspeed_env").write_text(f"OMP_NUM_THREADS={threads}\n")
         self.env, self.log = env, tmp_path / "run.log"
         self.output = open(self.log, "w")  # noqa: SIM115 (closed in wait)
         self.proc = subprocess.Popen(
-            [REPO / "launchers" / "multi_node.sh", self.config],
+            command,
             cwd=tmp_path, env=env, stdout=self.output, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
 
@@ -261,59 +304,93 @@ def test_a_stopped_rank_on_the_second_node_ends_the_run_on_both(ssh, tmp_path):
     assert run.latest_step() >= 6
 
 
+SIGTERM_RUN_STEPS = 16
+
+
 @pytest.fixture(scope="module")
 def sigterm_run(ssh, rank_pool, tmp_path_factory):
-    """A scheduler's SIGTERM to the launch at step 7 (a FaultRun, checkpoints every 3 steps, 2 kept): what
-    it left, and then its checkpoint resumed on one node (2 ranks of the rank pool: what is under test is
-    the two nodes' checkpoint, not a launcher) for 2 more steps, with no scheduled save between. The launch
-    directory is the FaultRun's: multi_node.sh writes .deepspeed_env there, not in the checkout."""
+    """A SLURM job on both "nodes" (a FaultRun through launchers/slurm.sbatch, 16 steps, checkpoints every 3,
+    2 kept) stopped at step 7 as ``--signal=B:USR1`` stops it: SIGUSR1 to the batch shell alone, then SIGKILL
+    to every process of the job left the moment the script returns (SLURM's teardown). Then its checkpoint
+    resumed on one node (2 ranks of the rank pool: what is under test is the two nodes' checkpoint, not a
+    launcher) to the end, with no scheduled save between, and an uninterrupted run of the same config (the
+    rank pool, 2 ranks) to compare it with. The launch directory is the FaultRun's: multi_node.sh writes
+    .deepspeed_env there, not in the checkout."""
     tmp = tmp_path_factory.mktemp("sigterm")
     sshd_log_start = ssh["log"].stat().st_size
-    run = FaultRun(ssh, tmp, steps=5000, train={"keep_checkpoints": 2})
+    run = FaultRun(ssh, tmp, steps=SIGTERM_RUN_STEPS, train={"keep_checkpoints": 2}, slurm=True)
     run.wait_for_step(7)
-    processes = node_processes(run.config)
+    processes, ranks = node_processes(run.config), [run.rank(0), run.rank(1)]
+    job = [psutil.Process(run.proc.pid), *psutil.Process(run.proc.pid).children(recursive=True)]
     signalled = time.monotonic()
-    run.proc.send_signal(signal.SIGTERM)  # multi_node.sh execs deepspeed: this is the runner
-    run.wait(timeout=120)
-    alive = still_running(processes, timeout=60)
-    gone = time.monotonic() - signalled
-    left = [(p.pid, cmdline(p)[-4:]) for p in alive]  # named by the test, which fails
-    for leftover in alive:  # out of the resume's way
+    run.proc.send_signal(signal.SIGUSR1)  # the batch shell only (B:)
+    code = run.wait(timeout=300)
+    returned = time.monotonic() - signalled
+    ranks_left = [(p.pid, cmdline(p)[-4:]) for p in still_running(ranks, timeout=0)]
+    left = [(p.pid, cmdline(p)[-4:]) for p in still_running([*processes, *job], timeout=0)]
+    for leftover in [*processes, *job]:  # the scheduler's SIGKILL, the moment the script returned
         with contextlib.suppress(psutil.NoSuchProcess):
             leftover.kill()
     logins = ssh["log"].read_text()[sshd_log_start:]
     two_nodes = run.log.read_text()
     logged = len((run.out / "train_log.jsonl").read_text().splitlines())
     saved = run.latest_step()
-    resume = ["--set", f"train.steps={saved + 2}", "--set", "train.save_every_steps=0", "--resume", "latest"]
+    resume = ["--set", "train.save_every_steps=0", "--resume", "latest"]
     program = ["--module", "eva_fastclip", "train", "--config", str(run.config), *resume]
     one_node = run_ranks(2, program, tmp / "one_node.log", pool=rank_pool)
+    whole = tmp / "whole"
+    program = ["--module", "eva_fastclip", "train", "--config", str(run.config)]
+    program += ["--set", "train.save_every_steps=0", "--set", f"train.output_dir={whole}"]
+    run_ranks(2, program, tmp / "whole.log", pool=rank_pool)
     return {
         "out": run.out,
+        "whole": whole,
         "work": tmp,
         "env": run.env,
         "logs": (two_nodes, one_node),
         "logins": logins,
-        "alive": len(alive),
+        "code": code,
+        "ranks_left": ranks_left,
         "left": left,
-        "gone": gone,
+        "returned": returned,
         "logged": logged,
         "saved": saved,
     }
 
 
-def test_sigterm_to_the_deepspeed_command_saves_the_step_in_flight_on_both_nodes(sigterm_run):
-    """A scheduler's SIGTERM to the launch: DeepSpeed's runner stops pdsh (which closes the remote ranks'
-    output) and pkills every node's launch.py, which passes SIGTERM to its rank's process tree; the ranks
-    finish the step in flight, save it together and exit (75); nothing of the run is left, no step lost."""
+def test_the_slurm_job_returns_75_after_the_step_in_flight_is_saved_on_both_nodes(sigterm_run):
+    """SLURM's ``--signal=B:USR1`` to the batch script: its trap passes a SIGTERM to the launch supervisor,
+    which passes it to DeepSpeed's runner, whose handler pkills every node's launch.py over pdsh; the ranks
+    finish the step in flight, save it together and exit 75. The runner returns at once, but the supervisor
+    waits for rank 0 (on another "host": not its descendant) to give up the output folder, and returns the
+    75 the run recorded; the script requeues the job. No rank is left when it returns (on the other nodes,
+    launch.py may still be in its last second's poll), and no step is lost: the checkpoint's step is the
+    last one logged."""
     saved, logged = sigterm_run["saved"], sigterm_run["logged"]
     print(
-        f"SIGTERM to the deepspeed command: saved step {saved} of {logged} logged, every "
-        f"process of both nodes gone {sigterm_run['gone']:.1f} s after the signal"
+        f"SIGUSR1 to the batch script: saved step {saved} of {logged} logged; the script returned "
+        f"{sigterm_run['code']} {sigterm_run['returned']:.1f} s after the signal; then SIGKILL to "
+        f"{len(sigterm_run['left'])} process(es) still exiting: {sigterm_run['left']}"
     )
-    assert not sigterm_run["alive"], f"left behind: {sigterm_run['left']}"
+    assert sigterm_run["code"] == 75, sigterm_run["logs"][0][-4000:]
+    assert not sigterm_run["ranks_left"], f"ranks alive when the script returned: {sigterm_run['ranks_left']}"
     # the ranks' output ends with pdsh, before the save: the checkpoint tells (scheduled ones every 3 steps)
     assert saved == logged, sigterm_run["logs"][0][-4000:]  # the step in flight was saved: nothing lost
+    assert (sigterm_run["work"] / "requeued").read_text().split() == ["requeue", JOB_ID]
+    hostfile = sigterm_run["work"] / f"hostfile.{JOB_ID}"
+    assert hostfile.read_text().splitlines() == [f"{host} slots=1" for host in HOSTS]
+
+
+def test_the_two_node_run_resumed_on_one_node_ends_as_the_uninterrupted_run(sigterm_run):
+    """Every step's logged loss, metrics and lr of the stopped run and its resume equal the uninterrupted
+    run's, and so do the final weights."""
+    out, whole = sigterm_run["out"], sigterm_run["whole"]
+    assert step_log(out) == step_log(whole)
+    final = checkpoint.tag_for_step(SIGTERM_RUN_STEPS)
+    want = consolidated_state_dict(whole / "checkpoints" / final)
+    got = consolidated_state_dict(out / "checkpoints" / final)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-6, atol=0, msg=name)
 
 
 def test_hostfile_launch_runs_one_rank_on_each_host(sigterm_run):
@@ -331,7 +408,8 @@ def test_hostfile_launch_runs_one_rank_on_each_host(sigterm_run):
     # PATH reached the remote ranks through .deepspeed_env in the launch directory, with the venv first
     # after the test's ssh
     path = sigterm_run["env"]["PATH"]
-    assert (sigterm_run["work"] / ".deepspeed_env").read_text().splitlines() == [f"PATH={path}"]
+    recorded = (sigterm_run["work"] / ".deepspeed_env").read_text().splitlines()
+    assert recorded[0].startswith("OMP_NUM_THREADS=") and recorded[1:] == [f"PATH={path}"]
     assert f"export PATH={path};" in two_nodes or f'export PATH="{path}";' in two_nodes  # quoted if need be
 
 
@@ -355,11 +433,12 @@ def test_resume_on_one_node_continues_from_the_saved_step(sigterm_run):
     first = out / "checkpoints" / checkpoint.tag_for_step(saved)
     assert f"resumed from {first} at step {saved}" in one_node
     kept = checkpoint.complete_checkpoints(out / "checkpoints")
-    assert [p.name for p in kept] == [checkpoint.tag_for_step(saved), checkpoint.tag_for_step(saved + 2)]
+    last = checkpoint.tag_for_step(SIGTERM_RUN_STEPS)
+    assert [p.name for p in kept] == [checkpoint.tag_for_step(saved), last]
     assert checkpoint.read_marker(kept[-1])["world_size"] == 2  # the two nodes' world, on one
     # the stopped run logged steps 1..saved (the stopped step's scalars before it saved), the resumed one
-    # the next 2: each step in TensorBoard once
-    assert sorted(logged_steps(out)) == list(range(1, saved + 3))
+    # the rest: each step in TensorBoard once
+    assert sorted(logged_steps(out)) == list(range(1, SIGTERM_RUN_STEPS + 1))
 
 
 def test_a_killed_rank_ends_the_run_on_both_and_a_lost_node_is_left_out_on_restart(ssh, tmp_path):

@@ -1,47 +1,47 @@
-"""Preemption with real processes and real signals (reliability/preemption.py): a signal to one rank or to
-every rank makes every rank save the checkpoint of the step in flight and exit with code 75, passed on by
-launch.py and the ``deepspeed`` command; the run resumes from it exactly; a second signal stops at once, the
-last complete checkpoint intact. Each test prints how long the stop took, from the signal to the last
-process of the run gone. (SIGTERM to the ``deepspeed`` command itself ends test_straggler_runs's slowed
-run: the ranks save the step in flight there.)
+"""Preemption with real processes and real signals (reliability/preemption.py, reliability/supervisor.py):
+a signal to one rank or to every rank makes every rank save the checkpoint of the step in flight and exit
+with code 75; a scheduler's SIGTERM to the command it runs (the launch supervisor, PID 1 of a container),
+followed by SIGKILL to everything the moment it returns, leaves that step saved and the command's 75, and
+the run resumes from it exactly; a second signal stops at once, the last complete checkpoint intact. Each
+test prints how long the stop took. (SLURM's signals, to the batch shell and to every process of the job,
+end test_straggler_runs's slowed run through launchers/slurm.sbatch.)
 
 The signalled runs are launched/fault_runs.py's (2 ranks, tiny model, fp32 on CPU, 2 loader workers a
-rank, which ignore the signals: the step in flight finishes). The SIGTERM to one rank goes through the real
-launcher: launch.py passes the ranks' 75 on. The other signalled runs, the uninterrupted run they are
-compared with (launched/conftest.py) and the resumed run come from the rank pool, whose supervisor does
-launch.py's part: their launcher is not under test.
+rank, which ignore the signals: the step in flight finishes). The scheduler's SIGTERM goes through the
+real launcher chain (single_node.sh, the supervisor, ``deepspeed``, launch.py). The other signalled runs,
+the uninterrupted run they are compared with (launched/conftest.py) and the resumed run come from the rank
+pool, whose supervisor does launch.py's part: their launcher is not under test.
 """
 
+import json
 import signal
+import subprocess
 import time
 
 import psutil
 import pytest
 import torch
 from fault_runs import MODULE, SIGNAL_AFTER, STEPS, fault_args, last_complete, step_log
-from launching import Launch, all_gone, run_ranks, wait_for_step
+from launching import REPO, Launch, all_gone, cmdline, run_ranks, wait_for_step
 
 from eva_fastclip.checkpointing import checkpoint
 from eva_fastclip.export import consolidated_state_dict
 from eva_fastclip.reliability.preemption import PREEMPTED_EXIT_CODE
 
+SINGLE_NODE = REPO / "launchers" / "single_node.sh"
 
-@pytest.mark.launcher
-def test_sigterm_to_one_rank_saves_that_step_and_resumes_exactly(
-    toy_data, uninterrupted, rank_pool, tmp_path
-):
+
+def test_sigterm_to_one_rank_saves_that_step(toy_data, rank_pool, tmp_path):
     """SIGTERM to rank 1 alone: both ranks agree at the next step boundary, save that step together and
-    exit with 75, and so does the launcher; --resume latest then ends where the uninterrupted run does
-    (every step's logged metrics and the final weights and per-sample table equal)."""
+    exit with 75."""
     out = tmp_path / "run"
-    args = fault_args(toy_data, out, "train.log_every_steps=5")  # as the uninterrupted run logs
-    run = Launch(2, [*MODULE, *args], tmp_path / "preempted.log")
+    run = rank_pool.launch(2, [*MODULE, *fault_args(toy_data, out)], tmp_path / "one_rank.log")
     try:
-        run.wait_for_step(SIGNAL_AFTER)
+        wait_for_step(out, SIGNAL_AFTER, alive=lambda: run.poll() is None, log=run.log)
         processes = run.processes()
         signalled = time.monotonic()
         run.rank(1).send_signal(signal.SIGTERM)
-        code = run.wait()
+        code = run.wait(120)
         gone = all_gone(processes, timeout=30) + time.monotonic() - signalled
     finally:
         run.kill()
@@ -50,6 +50,39 @@ def test_sigterm_to_one_rank_saves_that_step_and_resumes_exactly(
     saved = last_complete(out)
     assert SIGNAL_AFTER < saved < STEPS and len(step_log(out)) == saved
     assert f"eva-fastclip train: preempted: step {saved}: another rank was asked to stop" in run.output()
+
+
+@pytest.mark.launcher
+def test_the_scheduler_sigterm_then_sigkill_leaves_the_step_in_flight_saved_and_resumes_exactly(
+    toy_data, uninterrupted, rank_pool, tmp_path
+):
+    """Kubernetes' stop, as it happens: launchers/single_node.sh as PID 1 of a PID namespace of its own
+    (it execs the launch supervisor; where no namespace can be made, the supervisor is signalled as a job
+    script's main process), SIGTERM to that process alone, and SIGKILL to everything left of the job the
+    moment it returns (a PID namespace's processes die with its PID 1 anyway). It returns 75 only after
+    both ranks saved the step in flight; --resume latest then ends where the uninterrupted run does (every
+    step's logged metrics, the final weights and the per-sample table)."""
+    out = tmp_path / "run"
+    args = fault_args(toy_data, out, "train.log_every_steps=5")  # as the uninterrupted run logs
+    namespace = pid_namespace()
+    run = Launch(2, args[2:], tmp_path / "pid1.log", script=SINGLE_NODE, prefix=namespace)
+    try:
+        run.wait_for_step(SIGNAL_AFTER)
+        supervisor = psutil.Process(run.pid).children()[0] if namespace else psutil.Process(run.pid)
+        assert "eva_fastclip.reliability.supervisor" in cmdline(supervisor)
+        signalled = time.monotonic()
+        supervisor.send_signal(signal.SIGTERM)
+        code = run.wait()
+        returned = time.monotonic() - signalled
+    finally:
+        run.kill()  # the scheduler's SIGKILL to the rest, the moment the command returned
+    where = "PID 1 of a PID namespace" if namespace else "the job's main process (no PID namespace here)"
+    print(f"SIGTERM to the launch supervisor as {where}: it returned {code} {returned:.1f} s later")
+    assert code == PREEMPTED_EXIT_CODE, run.output()[-4000:]
+    saved = last_complete(out)
+    assert SIGNAL_AFTER < saved < STEPS and len(step_log(out)) == saved, run.output()[-4000:]
+    assert json.loads((out / "run_exit.json").read_text())["code"] == PREEMPTED_EXIT_CODE
+    assert not (out / "run.lock").exists()
 
     again = [*MODULE, *args, "--set", "train.hang_timeout_s=0", "--resume", "latest"]
     resumed = run_ranks(2, again, tmp_path / "resumed.log", pool=rank_pool)
@@ -64,6 +97,16 @@ def test_sigterm_to_one_rank_saves_that_step_and_resumes_exactly(
     for path in (reference / "checkpoints" / final / "per_sample").iterdir():
         other = out / "checkpoints" / final / "per_sample" / path.name
         torch.testing.assert_close(torch.load(other)["values"], torch.load(path)["values"], rtol=1e-6, atol=0)
+
+
+def pid_namespace() -> list[str]:
+    """``unshare`` making a PID namespace whose PID 1 is the command, where this machine allows it."""
+    command = ["unshare", "--pid", "--fork", "--mount-proc"]
+    try:
+        ok = subprocess.run([*command, "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    return command if ok else []
 
 
 def test_the_preempt_signal_to_every_rank(toy_data, rank_pool, tmp_path):

@@ -1,4 +1,4 @@
-"""A SIGTERM to the restart supervisor's own process (``python -m eva_fastclip.reliability.restarts``)
+"""A SIGTERM to the launch supervisor's own process (``python -m eva_fastclip.reliability.supervisor``)
 reaches the run, and nothing is restarted. The supervisor's other decisions: tests/test_restarts.py."""
 
 import signal
@@ -13,7 +13,7 @@ REPO = Path(__file__).parents[2]
 
 
 def test_sigterm_to_the_supervisor_reaches_the_run_and_nothing_restarts(tmp_path):
-    args = [sys.executable, "-m", "eva_fastclip.reliability.restarts", "--max-restarts", "3", "--"]
+    args = [sys.executable, "-m", "eva_fastclip.reliability.supervisor", "--max-restarts", "3", "--"]
     proc = subprocess.Popen(
         [*args, *stand_in(tmp_path, [0], sleep=30)], cwd=REPO, stderr=subprocess.PIPE, text=True
     )

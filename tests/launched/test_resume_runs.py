@@ -122,8 +122,14 @@ def runs(toy_data, rank_pool, tmp_path_factory):
 
 @pytest.mark.parametrize("ranks", KILLED)
 def test_a_killed_run_resumes_exactly(runs, ranks):
+    """The killed run's lock on its folder (reliability/run_lock.py) is stale: its holder, rank 0, is gone.
+    The resume takes it over and says so, then reproduces the uninterrupted run."""
     tmp = runs[ranks]["tmp"]
-    assert f"resumed from {tmp / 'killed' / 'checkpoints'}" in runs[ranks]["logs"][1]
+    resumed_output = runs[ranks]["logs"][1]
+    assert f"resumed from {tmp / 'killed' / 'checkpoints'}" in resumed_output
+    takeover = [line for line in resumed_output.splitlines() if "taking over" in line]
+    assert len(takeover) == 1 and f"{tmp / 'killed' / 'run.lock'} from the run that held it" in takeover[0]
+    assert "is gone" in takeover[0], takeover
     killed_steps = [record["step"] for record in runs[ranks]["killed_log"]]
     assert KILL_AFTER <= killed_steps[-1] < STEPS  # killed after its checkpoint, before its end
     whole, resumed = step_log(tmp / "whole"), step_log(tmp / "killed")

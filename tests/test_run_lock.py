@@ -1,0 +1,155 @@
+"""One run per output folder (eva_fastclip/reliability/run_lock.py) and what the launch supervisor makes of
+it (reliability/supervisor.py), with real processes: a live holder refuses a second run, naming its host and
+pid; a SIGKILLed one, a reused pid and a silent host are taken over; the exit code a run records is what the
+supervisor returns when a signal ended DeepSpeed's runner first; and the supervisor returns only after the
+processes its command left behind. Real launches: tests/launched/test_straggler_runs.py (a second run on a
+live run's folder), test_resume_runs.py (a SIGKILLed run's folder resumed), test_preemption.py and
+test_multi_node.py (the supervisor under a scheduler's signals)."""
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from launching import REPO, launcher_env
+from restart_stand_in import stand_in
+
+from eva_fastclip.reliability import run_lock, supervisor
+from eva_fastclip.reliability.run_lock import FolderHeld, RunLock
+
+
+def hold(folder) -> subprocess.Popen:
+    """Another process that takes ``folder`` and keeps it (a live run's rank 0)."""
+    script = (
+        "import sys, time\n"
+        "from eva_fastclip.reliability.run_lock import RunLock\n"
+        "RunLock(sys.argv[1]).acquire()\n"
+        "print('held', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script, str(folder)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_live_run_holds_its_folder_until_it_is_killed(tmp_path, caplog):
+    holder = hold(tmp_path)
+    try:
+        with pytest.raises(FolderHeld) as refused:
+            RunLock(tmp_path).acquire()
+        host = socket.gethostname()
+        assert f"is held by a live run (host {host}, pid {holder.pid}, since " in str(refused.value)
+        assert "\n" not in str(refused.value)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    killed = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger=run_lock.__name__):
+        RunLock(tmp_path).acquire()
+    print(f"the SIGKILLed holder's lock taken over {time.monotonic() - killed:.3f} s after its death")
+    assert (
+        f"(host {host}, pid {holder.pid}, since" in caplog.text and f"pid {holder.pid} is gone" in caplog.text
+    )
+    assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
+
+
+def test_a_reused_pid_and_a_silent_host_are_stale(tmp_path, caplog):
+    """The pid of a live process (this one) with another start time is not the holder; a lock from another
+    host is stale once untouched for STALE_S, and held before."""
+    lock = tmp_path / "run.lock"
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "process_start": 1}
+    lock.write_text(json.dumps(record))
+    with caplog.at_level(logging.WARNING, logger=run_lock.__name__):
+        RunLock(tmp_path).acquire()
+    assert f"pid {os.getpid()} is another process now" in caplog.text
+
+    lock.write_text(json.dumps({**record, "host": "node-17"}))
+    with pytest.raises(FolderHeld, match="host node-17"):
+        RunLock(tmp_path).acquire()
+    silent = time.time() - run_lock.STALE_S - 5
+    os.utime(lock, (silent, silent))
+    with caplog.at_level(logging.WARNING, logger=run_lock.__name__):
+        RunLock(tmp_path).acquire()
+    assert "no heartbeat from node-17 for " in caplog.text
+
+
+def test_release_records_the_exit_and_gives_the_folder_up(tmp_path):
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    lock.join(0)
+    assert [rank.pid for rank in run_lock.running_ranks(tmp_path, since=0)] == [os.getpid()]
+    lock.release(75, "step 7: SIGTERM")
+    ended = json.loads((tmp_path / "run_exit.json").read_text())
+    assert {k: ended[k] for k in ("code", "detail", "pid")} == {
+        "code": 75,
+        "detail": "step 7: SIGTERM",
+        "pid": os.getpid(),
+    }
+    assert not (tmp_path / "run.lock").exists()
+    # marked leaving, but this process still runs on this host: the supervisor waits for its end
+    assert [rank.left for rank in run_lock.running_ranks(tmp_path, since=0)] == [True]
+    assert run_lock.read_exit(tmp_path, since=ended["ended"] + 1) is None  # an earlier run's
+
+
+def test_the_supervisor_refuses_a_held_folder_before_it_launches(tmp_path, capfd):
+    command = stand_in(tmp_path, [0])
+    holder = hold(tmp_path / "run")  # the stand-in's train.output_dir
+    try:
+        capfd.readouterr()
+        code = supervisor.main(["--", *command])
+    finally:
+        holder.kill()
+        holder.wait()
+    err = capfd.readouterr().err
+    assert code == 2 and not (tmp_path / "calls.jsonl").exists()
+    assert f"is held by a live run (host {socket.gethostname()}, pid {holder.pid}" in err
+
+
+def test_the_runs_own_code_when_a_signal_ended_the_runner(tmp_path, capfd):
+    """A runner killed by SIGUSR1 (138) after its ranks recorded 75 (SLURM's --signal without B:): 75."""
+    out = tmp_path / "run"
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"train": {"output_dir": str(out)}}))
+    runner = tmp_path / "runner.py"
+    runner.write_text(
+        textwrap.dedent(f"""
+        import os, signal
+        from eva_fastclip.reliability.run_lock import RunLock
+        lock = RunLock({str(out)!r})
+        lock.acquire()
+        lock.release(75, "preempted")
+        os.kill(os.getpid(), signal.SIGUSR1)
+        """)
+    )
+    capfd.readouterr()
+    code = supervisor.main(["--", sys.executable, str(runner), "train", "--config", str(config)])
+    err = capfd.readouterr().err
+    assert code == 75, err
+    assert "the runner ended with 138 (killed by signal SIGUSR1); the run itself with 75" in err
+
+
+def test_the_supervisor_returns_after_the_processes_its_command_left(tmp_path):
+    """The command exits at once, leaving a process that ends 2 s later (launch.py and the ranks after
+    DeepSpeed's runner returned): the supervisor, their subreaper, returns after it, with the command's
+    code."""
+    done = tmp_path / "done"
+    orphan = f"(sleep 2; touch {done}) & exit 3"
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "eva_fastclip.reliability.supervisor", "--", "bash", "-c", orphan],
+        cwd=REPO,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    took = time.monotonic() - started
+    print(f"the supervisor returned {took:.1f} s after its start, its command's orphan having ended")
+    assert result.returncode == 3, result.stderr
+    assert done.exists() and took >= 2
