@@ -96,9 +96,9 @@ class Launch:
             self._out.close()
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        """``sig`` to every process of the launch (its session: launcher, ranks, their loader workers)."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, sig)
+        """``sig`` to every process of the launch: its session (launcher, ranks, their loader workers) and,
+        while it runs, its descendants in sessions of their own (the launch supervisor's ``deepspeed``)."""
+        kill_tree(self.proc, sig)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
@@ -119,6 +119,21 @@ class Launch:
         wait_for_step(
             self.output_dir, step, alive=lambda: self.proc.poll() is None, log=self.log, timeout=timeout
         )
+
+
+def kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """``sig`` to ``proc``'s session, and to its descendants while it runs (after its end its pid may be
+    another process's)."""
+    tree = []
+    if proc.poll() is None:
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(proc.pid)
+            tree = [root, *root.children(recursive=True)]
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+    for process in tree:
+        with contextlib.suppress(psutil.Error):
+            process.send_signal(sig)
 
 
 def run_ranks(

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -59,23 +60,52 @@ def test_a_live_run_holds_its_folder_until_it_is_killed(tmp_path, caplog):
     assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
 
 
-def test_a_reused_pid_and_a_silent_host_are_stale(tmp_path, caplog):
-    """The pid of a live process (this one) with another start time is not the holder; a lock from another
-    host is stale once untouched for STALE_S, and held before."""
+def take(folder) -> None:
+    """Take ``folder`` and give it up (its heartbeat stops, and cannot overwrite the next lock written)."""
+    lock = RunLock(folder)
+    lock.acquire()
+    lock.release(0)
+
+
+def test_a_reused_pid_and_a_silent_host_are_stale(tmp_path, caplog, monkeypatch):
+    """The pid of a live process (this one) with another start time is not the holder. A lock from another
+    host (a replacement pod, a requeued job on another node) is held while its beat count advances, stale
+    once it stops for WATCH_S (3 s here), and stale at once when untouched for STALE_S."""
+    monkeypatch.setattr(run_lock, "WATCH_S", 3.0)
     lock = tmp_path / "run.lock"
     record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "process_start": 1}
     lock.write_text(json.dumps(record))
     with caplog.at_level(logging.WARNING, logger=run_lock.__name__):
-        RunLock(tmp_path).acquire()
+        take(tmp_path)
     assert f"pid {os.getpid()} is another process now" in caplog.text
 
-    lock.write_text(json.dumps({**record, "host": "node-17"}))
-    with pytest.raises(FolderHeld, match="host node-17"):
-        RunLock(tmp_path).acquire()
+    elsewhere = {**record, "host": "node-17", "beat": 0}
+    lock.write_text(json.dumps(elsewhere))
+    beating = threading.Event()
+
+    def beat():  # node-17's holder, alive: a beat a second
+        while not beating.wait(1.0):
+            elsewhere["beat"] += 1
+            lock.write_text(json.dumps(elsewhere))
+
+    beater = threading.Thread(target=beat)
+    beater.start()
+    try:
+        with pytest.raises(FolderHeld, match="host node-17"):
+            take(tmp_path)
+    finally:
+        beating.set()
+        beater.join()
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger=run_lock.__name__):
+        take(tmp_path)  # node-17 died: no beat in 3 s
+    assert "no heartbeat from node-17 in 3 s" in caplog.text and time.monotonic() - started >= 3
+
+    lock.write_text(json.dumps(elsewhere))
     silent = time.time() - run_lock.STALE_S - 5
     os.utime(lock, (silent, silent))
     with caplog.at_level(logging.WARNING, logger=run_lock.__name__):
-        RunLock(tmp_path).acquire()
+        take(tmp_path)
     assert "no heartbeat from node-17 for " in caplog.text
 
 

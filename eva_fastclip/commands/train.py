@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 from eva_fastclip.commands.common import add_config_args
@@ -68,12 +69,14 @@ def train(cfg, ds: dict, resume: str | None) -> int:
     from eva_fastclip.data.workers import fork_worker_server
     from eva_fastclip.reliability.preemption import outlive_closed_output
     from eva_fastclip.reliability.run_lock import RunLock
+    from eva_fastclip.reliability.signals import STOP_SIGNALS
 
     if cfg.data.workers or cfg.eval.workers:
         fork_worker_server()  # now, while this rank has one thread: forked from it (data/workers.py)
     outlive_closed_output()  # a stop on several nodes closes the output first (reliability/preemption.py)
     lock = RunLock(Path(cfg.train.output_dir))  # taken by rank 0 only (engine/build.py)
     code, detail = 1, "an unexpected error"
+    handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}  # a preempted run ignores them
     try:
         code, detail = _train_held(cfg, ds, resume, lock)
         return code
@@ -82,6 +85,8 @@ def train(cfg, ds: dict, resume: str | None) -> int:
         raise
     finally:
         lock.release(code, detail)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def _train_held(cfg, ds: dict, resume: str | None, lock) -> tuple[int, str]:
@@ -89,6 +94,7 @@ def _train_held(cfg, ds: dict, resume: str | None, lock) -> tuple[int, str]:
     from eva_fastclip.engine.build import build_trainer
     from eva_fastclip.reliability.bad_steps import NonFiniteSteps
     from eva_fastclip.reliability.preemption import PREEMPTED_EXIT_CODE, Preempted
+    from eva_fastclip.reliability.signals import STOP_SIGNALS
     from eva_fastclip.reliability.watchdog import Watchdog
 
     try:
@@ -98,6 +104,10 @@ def _train_held(cfg, ds: dict, resume: str | None, lock) -> tuple[int, str]:
         _say(f"stopped: {err}")
         return 3, str(err)
     except Preempted as err:  # saved at a step boundary: resumable, not a failure
+        # saved: launch.py's SIGTERM, when another rank exits first, must not end this one before it
+        # records the exit and gives the folder up (train()'s finally)
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
         _say(f"preempted: {err}")
         return PREEMPTED_EXIT_CODE, str(err)
     except CheckpointWriteError as err:  # nothing of it left behind; the last complete one is intact

@@ -12,9 +12,13 @@ leaves a stale lock, taken over and logged:
 
 - on the holder's own host, its pid is gone, a zombie, or another process (the start time recorded in the
   lock differs: pids are reused);
-- on another host (a shared file system), its heartbeat stopped: rank 0 touches the lock every
-  :data:`HEARTBEAT_S`, and one untouched for :data:`STALE_S` is stale. Generous on purpose: NFS clients may
-  cache a file's times for up to a minute.
+- on another host (a shared file system; a replacement pod is on another host), its heartbeat stopped: the
+  holder rewrites the lock with a new beat count every :data:`HEARTBEAT_S`. One untouched for
+  :data:`STALE_S` is stale at once; a younger one is watched for :data:`WATCH_S`, and stale if no beat
+  came. Counts, not clocks: the hosts' clocks and an NFS client's cached file times do not enter.
+
+A takeover renames the stale lock away first and checks that it renamed the holder it judged, so that of
+two runs taking over at once only one holds the folder.
 
 Once rank 0 holds the folder, every rank marks itself present in ``run.lock.ranks/`` (host, pid), and
 marks itself leaving as it exits. The launch supervisor (reliability/supervisor.py) reads all of it: it
@@ -32,6 +36,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import socket
 import threading
 import time
@@ -46,6 +51,7 @@ EXIT_FILE = "run_exit.json"
 #: how often the holder touches its lock, and how long untouched makes a lock on another host stale
 HEARTBEAT_S = 10.0
 STALE_S = 120.0
+WATCH_S = 2.5 * HEARTBEAT_S  # how long a lock from another host is watched for a beat
 
 
 class FolderHeld(ValueError):
@@ -62,6 +68,14 @@ class Holder:
     process_start: int | None  # /proc/<pid>/stat's start time, to tell a reused pid
     lock: Path
     left: bool = False  # a rank's mark: it has given its part up and is exiting
+    beat: int = 0  # the heartbeats so far
+
+    def same(self, other: Holder | None) -> bool:
+        return other is not None and (self.host, self.pid, self.started) == (
+            other.host,
+            other.pid,
+            other.started,
+        )
 
     def describe(self) -> str:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
@@ -80,7 +94,7 @@ class Holder:
             age = time.time() - self.lock.stat().st_mtime
         except FileNotFoundError:
             return "its lock is gone"
-        return f"no heartbeat from {self.host} for {age:.0f} s" if age > STALE_S else None
+        return f"no heartbeat from {self.host} for {age:.0f} s" if age > STALE_S else None  # else: watch
 
 
 def process_start_time(pid: int) -> int | None:
@@ -112,7 +126,7 @@ def _read(path: Path) -> Holder | None:
     except (FileNotFoundError, ValueError):
         return None
     fields = (record["host"], record["pid"], record["started"], record.get("process_start"), path)
-    return Holder(*fields, left=bool(record.get("left")))
+    return Holder(*fields, left=bool(record.get("left")), beat=record.get("beat", 0))
 
 
 def running_ranks(output_dir: Path, since: float) -> list[Holder]:
@@ -167,24 +181,28 @@ class RunLock:
         self.output_dir = Path(output_dir)
         self.path = self.output_dir / LOCK_FILE
         self._held = False
-        self._present: Path | None = None
+        self._created: Path | None = None  # the first folder acquire() made, if it made any
+        self._files: dict[Path, dict] = {}  # this process's lock and mark, rewritten at each beat
         self._stop = threading.Event()
 
     def acquire(self) -> None:
         """Take the folder, taking over a stale lock (logged); FolderHeld when a live run holds it."""
+        missing = [p for p in [self.output_dir, *self.output_dir.parents] if not p.exists()]
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        self._created = missing[-1] if missing else None
         for _ in range(3):  # a lost race for a stale lock is looked at again
+            record = _record()
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
                 self._take_over_if_stale()
                 continue
             with os.fdopen(fd, "w") as out:
-                json.dump(_record(), out)
+                json.dump(record, out)
             for path in (self.output_dir / RANKS_DIR).glob("*.json"):  # earlier runs' ranks, all ended
                 path.unlink(missing_ok=True)
             self._held = True
-            self._beat()
+            self._keep(self.path, record)
             return
         raise FolderHeld(f"{self.path}: not taken after 3 tries (several runs starting at once?)")
 
@@ -192,15 +210,21 @@ class RunLock:
         """Mark this rank present until :meth:`release` (the folder is held by now)."""
         folder = self.output_dir / RANKS_DIR
         folder.mkdir(parents=True, exist_ok=True)
-        self._present = folder / f"rank_{rank}.json"
-        self._mark = _record()
-        self._write_mark()
-        self._beat()
+        self._keep(folder / f"rank_{rank}.json", _record())
 
-    def _write_mark(self) -> None:
-        tmp = self._present.with_name(f".{self._present.name}.tmp")
-        tmp.write_text(json.dumps(self._mark))
-        os.replace(tmp, self._present)
+    def _keep(self, path: Path, record: dict) -> None:
+        self._files[path] = record
+        _write(path, record)
+        if not hasattr(self, "_heart"):
+            self._heart = threading.Thread(target=self._heartbeat, name="run-lock", daemon=True)
+            self._heart.start()
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            for path, record in list(self._files.items()):
+                record["beat"] = record.get("beat", 0) + 1
+                with contextlib.suppress(OSError):
+                    _write(path, record)
 
     def _take_over_if_stale(self) -> None:
         holder = read_holder(self.output_dir)
@@ -208,46 +232,78 @@ class RunLock:
             time.sleep(0.2)
             holder = read_holder(self.output_dir)
             if holder is None:
-                if self.path.exists() and time.time() - self.path.stat().st_mtime > 5:
-                    log.warning("%s is unreadable: taken over", self.path)
-                    self.path.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    if time.time() - self.path.stat().st_mtime > 5:
+                        log.warning("%s is unreadable: taken over", self.path)
+                        self.path.unlink(missing_ok=True)
                 return
-        why = holder.why_stale()
+        why = holder.why_stale() or _no_beat(holder)
         if why is None:
             raise FolderHeld(held_message(self.output_dir, holder))
+        aside = self.path.with_name(f"{LOCK_FILE}.stale.{socket.gethostname()}.{os.getpid()}")
+        try:
+            os.rename(self.path, aside)  # atomic: of two runs taking over, one renames the stale lock
+        except FileNotFoundError:
+            return
+        if not holder.same(_read(aside)):  # another run took over first: its fresh lock goes back
+            with contextlib.suppress(FileExistsError):
+                os.link(aside, self.path)
+            aside.unlink(missing_ok=True)
+            return
+        aside.unlink(missing_ok=True)
         log.warning("taking over %s from the run that held it (%s): %s", self.path, holder.describe(), why)
-        self.path.unlink(missing_ok=True)
-
-    def _beat(self) -> None:
-        """The heartbeat on another host: this process's files touched every HEARTBEAT_S."""
-        if not hasattr(self, "_heart"):
-            self._heart = threading.Thread(target=self._heartbeat, name="run-lock", daemon=True)
-            self._heart.start()
-
-    def _heartbeat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
-            for path in (self.path if self._held else None, self._present):
-                if path is not None:
-                    with contextlib.suppress(OSError):
-                        os.utime(path)
 
     def release(self, code: int, detail: str = "") -> None:
         """At this rank's exit: rank 0 records how the run ends (``run_exit.json``) and gives the folder
-        up; every rank leaves. Nothing where this process took no part."""
+        up; every rank leaves. Nothing where this process took no part. A run refused by a check (exit
+        code 2) leaves no folder that only acquire() made."""
         self._stop.set()
-        if self._held:
-            self._held = False
-            record = {"code": code, "detail": detail, "host": socket.gethostname(), "pid": os.getpid()}
-            record["ended"] = time.time()
-            tmp = self.output_dir / f".{EXIT_FILE}.tmp"
-            with contextlib.suppress(OSError):  # a full disk must not hide the run's own error
-                tmp.write_text(json.dumps(record) + "\n")
-                os.replace(tmp, self.output_dir / EXIT_FILE)
-            holder = read_holder(self.output_dir)
-            if holder is not None and holder.pid == os.getpid() and holder.host == record["host"]:
-                self.path.unlink(missing_ok=True)
-        if self._present is not None:  # marked, not removed: the supervisor waits for this process's end
-            self._mark["left"] = True
+        with contextlib.suppress(OSError):  # a full disk must not hide the run's own error
+            if self._held:
+                self._held = False
+                record = {"code": code, "detail": detail, "host": socket.gethostname(), "pid": os.getpid()}
+                record["ended"] = time.time()
+                _write(self.output_dir / EXIT_FILE, record)
+                current, mine = _read(self.path), self._files[self.path]
+                if current is not None and (current.pid, current.started) == (mine["pid"], mine["started"]):
+                    self.path.unlink()
+            for path, record in self._files.items():
+                if path != self.path:  # marked, not removed: the supervisor waits for this process's end
+                    record["left"] = True
+                    _write(path, record)
+            self._files = {}
+            if code == 2:
+                self._remove_if_only_ours()
+
+    def _remove_if_only_ours(self) -> None:
+        """A run refused or stopped before it wrote anything leaves no folder it made (a config error)."""
+        if self._created is None or not self.output_dir.is_dir():
+            return
+        ours = {LOCK_FILE, EXIT_FILE, RANKS_DIR}
+        if any(p.name not in ours for p in self.output_dir.iterdir()):
+            return
+        shutil.rmtree(self.output_dir)
+        for parent in self.output_dir.parents:  # up to the first folder that existed
+            if not str(parent).startswith(str(self._created)):
+                break
             with contextlib.suppress(OSError):
-                self._write_mark()
-            self._present = None
+                parent.rmdir()
+
+
+def _write(path: Path, record: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record) + "\n")
+    os.replace(tmp, path)
+
+
+def _no_beat(holder: Holder) -> str | None:
+    """A lock from another host younger than STALE_S: stale unless a beat comes within WATCH_S."""
+    if holder.host == socket.gethostname():
+        return None
+    deadline = time.monotonic() + WATCH_S
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = read_holder(holder.lock.parent)
+        if now is None or not holder.same(now) or now.beat != holder.beat:
+            return None  # it beats (or changed hands): held
+    return f"no heartbeat from {holder.host} in {WATCH_S:.0f} s"

@@ -6,19 +6,20 @@
 launchers/single_node.sh, multi_node.sh, demo.sh and slurm.sbatch run every launch this way; it is what
 to give a scheduler (docs/launching.md). DeepSpeed's own runner, the ``deepspeed`` command, returns at once
 on SIGTERM (143 on one node, 1 from its handler on several) while the ranks are still saving, and a signal
-it has no handler for (SLURM's ``--signal=USR1`` to every process) kills it and ``launch.py`` with the
-ranks' exit code uncollected. A scheduler that tears the job down when its main process returns (Kubernetes
-after PID 1, SLURM after the batch script) then loses the checkpoint. The supervisor:
+it has no handler for (SIGUSR1 to every process of a job) kills it and ``launch.py`` with the ranks' exit
+code uncollected. A scheduler that tears the job down when its main process returns (Kubernetes after
+PID 1, SLURM after the batch script) then loses the checkpoint. The supervisor:
 
+- handles the stop signals from its start (as PID 1 of a container nothing else would) and turns each
+  (SIGTERM, SIGINT, SIGHUP, SIGUSR1/2) into SIGTERM to the ranks themselves where launch.py runs on its
+  host (not to launch.py, which would SIGKILL them 30 s later; not to the runner, which would return), else
+  to the runner, whose handler stops every node's launch.py over pdsh (its 30 s then apply);
 - runs the command as a child subreaper: a descendant orphaned by the runner's or launch.py's end is
-  reparented here, and the supervisor returns only once every one of them has ended;
-- turns any stop signal (SIGTERM, SIGINT, SIGHUP, SIGUSR1/2) into SIGTERM to the ranks themselves on one
-  node (not to launch.py, which would SIGKILL them 30 s later; not to the runner, which would return), or to
-  the runner on several nodes, whose handler stops every node's launch.py over pdsh;
-- on several nodes also waits until rank 0, which may run on another host, gives up the output folder
-  (reliability/run_lock.py);
-- returns what the run recorded in ``run_exit.json`` where a signal ended the runner first: 75 when it
-  was preempted and saved; otherwise the ranks' own code, as the runner passes it on;
+  reparented here, and the supervisor returns only once every one of them has ended, and every rank, on
+  any host, has left the output folder (reliability/run_lock.py);
+- returns the code the run recorded in ``run_exit.json`` where a signal ended the runner first (or the
+  runner returned 0 for a killed launch.py): 75 when it was preempted and saved; otherwise the ranks' own
+  code, as the runner passes it on;
 - refuses, with one line and exit code 2, a run whose output folder a live run holds;
 - with ``--max-restarts N``, reruns a failed run with ``--resume latest`` (reliability/restarts.py says
   which failures and how).
@@ -44,19 +45,20 @@ from eva_fastclip.reliability.preemption import PREEMPTED_EXIT_CODE
 from eva_fastclip.reliability.restarts import (
     NOT_RESTARTED,
     cause,
-    option,
     resumed_step,
     surviving_nodes,
     train_config,
     with_option,
 )
-from eva_fastclip.reliability.run_lock import held_message, live_holder, read_exit, running_ranks
+from eva_fastclip.reliability.run_lock import STALE_S, held_message, live_holder, read_exit, running_ranks
 from eva_fastclip.reliability.signals import STOP_SIGNALS
 
 #: how long the run's processes may outlive its runner when no stop was asked for (a failed rank's peers)
 GROUP_EXIT_S = 60.0
 #: how long a stop's save may take before the supervisor gives up on it (a scheduler's grace ends first)
 STOP_WAIT_S = 3600.0
+#: how far the clocks of a run's hosts may differ (a rank's mark says when it started, by its host's clock)
+SKEW_S = 300.0
 
 
 def log(message: str) -> None:
@@ -77,17 +79,34 @@ def become_subreaper() -> bool:
     return ctypes.CDLL(None, use_errno=True).prctl(pr_set_child_subreaper, 1) == 0
 
 
+class Stops:
+    """The stop signals this process got: handled from the start of main(), before the first launch and
+    between restarts, and passed on to the launch under way."""
+
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+        self.launch: Launch | None = None
+
+    def __call__(self, signum: int, _frame=None) -> None:
+        if not self.signals:
+            log(f"{signal.Signals(signum).name}: passing it on as SIGTERM; waiting for the ranks' save")
+        self.signals.append(signum)
+        if self.launch is not None:
+            self.launch.pass_stop()
+
+
 class Launch:
     """One run of ``command``: its processes, the stop passed on, the wait for all of them."""
 
-    def __init__(self, command: list[str], output_dir: Path | None) -> None:
-        self.command, self.output_dir = command, output_dir
-        self.several_nodes = option(command, "--hostfile") is not None
+    def __init__(self, command: list[str], output_dir: Path | None, stops: Stops) -> None:
+        self.command, self.output_dir, self.stops = command, output_dir, stops
         self.me = psutil.Process()
         self.before = {p.pid for p in self.me.children(recursive=True)}  # not this launch's (tests)
         self.started = time.time()
-        self.stops: list[int] = []
         self.proc = subprocess.Popen(command, start_new_session=True)
+        stops.launch = self
+        if stops.signals:  # asked before the launch began
+            self.pass_stop()
 
     def descendants(self) -> list[psutil.Process]:
         """This launch's processes on this host still running (zombies reaped on the way)."""
@@ -106,55 +125,59 @@ class Launch:
             found.append(proc)
         return found
 
-    def stop(self, signum: int, _frame=None) -> None:
-        """A stop signal: SIGTERM to the ranks (one node) or to the runner (several nodes)."""
-        if not self.stops:
-            log(f"{signal.Signals(signum).name}: passing it on as SIGTERM; waiting for the ranks' save")
-        self.stops.append(signum)
-        if self.several_nodes and self.proc.poll() is None:
-            targets = [psutil.Process(self.proc.pid)]
+    def pass_stop(self) -> None:
+        """SIGTERM to the ranks where launch.py runs here (one node); else to the runner, whose handler
+        stops every node's launch.py over pdsh (a hostfile: the ranks are not this process's descendants)."""
+        every = self.descendants()
+        launchers = [p for p in every if _is_launcher(p)]
+        if not launchers and self.proc.poll() is None:
+            targets = [p for p in every if p.pid == self.proc.pid]
         else:
-            every = self.descendants()
-            launchers = {p.pid for p in every if _is_launcher(p)} | {self.proc.pid}
-            targets = [p for p in every if p.pid not in launchers] or every  # none yet: all of it
+            skip = {p.pid for p in launchers} | {self.proc.pid}
+            targets = [p for p in every if p.pid not in skip] or every  # none yet: all of it
         for proc in targets:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.send_signal(signal.SIGTERM)
 
     def wait(self) -> Ended:
-        previous = {sig: signal.signal(sig, self.stop) for sig in STOP_SIGNALS}
-        try:
-            code = self.proc.wait()
-            self._wait_for_the_rest()
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        while (code := self.proc.poll()) is None:  # polled: a signal's handler may poll it too
+            time.sleep(0.2)
+        self._wait_for_the_rest()
+        self.stops.launch = None
         code = 128 - code if code < 0 else code
         record = read_exit(self.output_dir, self.started) if self.output_dir is not None else None
-        # the runner ended by a signal, or by its handler's 1 on several nodes: the ranks' own code
-        overrides = record is not None and (record["code"] == PREEMPTED_EXIT_CODE or code > 128 or self.stops)
+        # a signal ended the runner (or its handler's 1 on several nodes), or its launch.py was killed
+        # and it returned 0: the ranks' own code
+        overrides = record is not None and (
+            record["code"] == PREEMPTED_EXIT_CODE or code > 128 or self.stops.signals or code == 0
+        )
         if overrides and record["code"] != code:
             log(f"the runner ended with {code} ({cause(code)}); the run itself with {record['code']}")
             code = record["code"]
-        return Ended(code, bool(self.stops))
+        return Ended(code, bool(self.stops.signals))
 
     def _wait_for_the_rest(self) -> None:
         """Until every process of the launch on this host has ended and every rank (on any host) has left
-        the output folder; SIGKILL for what outlives the runner by GROUP_EXIT_S when nothing asked a stop."""
-        ended, told = time.monotonic(), False
+        the output folder. What outlives the runner by GROUP_EXIT_S here is SIGKILLed once no rank is
+        saving (or at once where nothing asked a stop); the wait ends after STOP_WAIT_S with a save in
+        flight, GROUP_EXIT_S + STALE_S without."""
+        ended, killed, told = time.monotonic(), None, False
         while True:
             alive, ranks = self.descendants(), self._ranks_present()
             if not alive and not ranks:
                 return
-            waited = time.monotonic() - ended
-            if not self.stops and waited > GROUP_EXIT_S and alive:
+            now = time.monotonic()
+            waited = now - ended
+            patience = STOP_WAIT_S if self.stops.signals else GROUP_EXIT_S + STALE_S
+            if waited > patience or (killed is not None and now - killed > 10):
+                log(f"gave up waiting for {len(alive)} process(es) here and {len(ranks)} rank(s) anywhere")
+                return
+            if killed is None and alive and waited > GROUP_EXIT_S and not (ranks and self.stops.signals):
                 log(f"{len(alive)} process(es) alive {GROUP_EXIT_S:.0f} s after the runner ended: SIGKILL")
                 for proc in alive:
                     with contextlib.suppress(psutil.NoSuchProcess):
                         proc.kill()
-            elif waited > STOP_WAIT_S:
-                log(f"gave up waiting for the run's save after {STOP_WAIT_S:.0f} s")
-                return
+                killed = now
             elif not told and waited > 5:
                 told = True
                 where = "; ".join(rank.describe() for rank in ranks)
@@ -162,12 +185,14 @@ class Launch:
             time.sleep(0.2)
 
     def _ranks_present(self) -> list:
-        """The ranks of this launch (on any host) still marked present in the output folder."""
+        """The ranks of this launch (on any host) still marked present in the output folder; started
+        within SKEW_S of the launch (the hosts' clocks may differ; earlier runs' marks are gone by then)."""
         if self.output_dir is None:
             return []
+        since = self.started - SKEW_S
         holder = live_holder(self.output_dir)
-        rank0 = [holder] if holder is not None and holder.started >= self.started - 1 else []
-        return [*rank0, *running_ranks(self.output_dir, self.started - 1)]
+        rank0 = [holder] if holder is not None and holder.started >= since else []
+        return [*rank0, *running_ranks(self.output_dir, since)]
 
 
 def _is_launcher(proc: psutil.Process) -> bool:
@@ -199,31 +224,44 @@ def main(argv: list[str] | None = None, *, subreaper: bool = False) -> int:
     if holder is not None:
         log(held_message(output_dir, holder))
         return 2
+    stops = Stops()
+    previous = {sig: signal.signal(sig, stops) for sig in STOP_SIGNALS}  # as PID 1: no default actions
+    try:
+        return _supervise(command, output_dir, stops, args.max_restarts, args.min_nodes)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _supervise(command: list[str], output_dir: Path | None, stops: Stops, max_restarts: int, min_nodes: int):
     restarts = 0
     while True:
         started = time.monotonic()
-        ended = Launch(command, output_dir).wait()
+        ended = Launch(command, output_dir, stops).wait()
         code = ended.code
         if code == 0:
             return 0
-        if not args.max_restarts:
+        if not max_restarts:
             log(f"the run exited with code {code}: {NOT_RESTARTED.get(code, cause(code))}")
             return code
         if code in NOT_RESTARTED or ended.stopped:
             why = NOT_RESTARTED.get(code, "a stop was asked for")
             log(f"the run exited with code {code}: {why}; not restarted")
             return code
-        if restarts >= args.max_restarts:
+        if restarts >= max_restarts:
             log(f"the run exited with code {code} ({cause(code)}) after {restarts} restart(s): no more")
             return code
-        next_command = surviving_nodes(command, args.min_nodes)
+        next_command = surviving_nodes(command, min_nodes)
         if next_command is None:
+            return code
+        if stops.signals:  # asked while the hosts were probed
+            log(f"the run exited with code {code}: a stop was asked for; not restarted")
             return code
         restarts += 1
         command = with_option(next_command, "--resume", "latest")
         took = time.monotonic() - started
         log(
-            f"restart {restarts} of {args.max_restarts}: the run exited with code {code} ({cause(code)}) "
+            f"restart {restarts} of {max_restarts}: the run exited with code {code} ({cause(code)}) "
             f"after {took:.0f} s; resuming from {resumed_step(command)}: {shlex.join(command)}"
         )
 

@@ -33,7 +33,7 @@ import psutil
 import pytest
 import torch
 from fault_runs import step_log
-from launching import REPO, cmdline, free_port, run_ranks, still_running
+from launching import REPO, cmdline, free_port, kill_tree, run_ranks, still_running
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from eva_fastclip.checkpointing import checkpoint
@@ -259,8 +259,7 @@ class FaultRun:
         try:
             return self.proc.wait(timeout=timeout)
         finally:
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+            kill_tree(self.proc)  # (the launch supervisor's deepspeed runs in a session of its own)
             self.output.close()
 
     def signal_node2_rank(self, send) -> tuple[int, float, float, list[psutil.Process]]:
@@ -304,13 +303,13 @@ def test_a_stopped_rank_on_the_second_node_ends_the_run_on_both(ssh, tmp_path):
     assert run.latest_step() >= 6
 
 
-SIGTERM_RUN_STEPS = 16
+SIGTERM_RUN_STEPS, STOP_AT = 16, 4  # the stop takes 2-6 steps to reach the ranks here (ssh, pkill)
 
 
 @pytest.fixture(scope="module")
 def sigterm_run(ssh, rank_pool, tmp_path_factory):
     """A SLURM job on both "nodes" (a FaultRun through launchers/slurm.sbatch, 16 steps, checkpoints every 3,
-    2 kept) stopped at step 7 as ``--signal=B:USR1`` stops it: SIGUSR1 to the batch shell alone, then SIGKILL
+    2 kept) stopped after step 4 as ``--signal=B:USR1`` stops it: SIGUSR1 to the batch shell alone, then SIGKILL
     to every process of the job left the moment the script returns (SLURM's teardown). Then its checkpoint
     resumed on one node (2 ranks of the rank pool: what is under test is the two nodes' checkpoint, not a
     launcher) to the end, with no scheduled save between, and an uninterrupted run of the same config (the
@@ -319,8 +318,9 @@ def sigterm_run(ssh, rank_pool, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sigterm")
     sshd_log_start = ssh["log"].stat().st_size
     run = FaultRun(ssh, tmp, steps=SIGTERM_RUN_STEPS, train={"keep_checkpoints": 2}, slurm=True)
-    run.wait_for_step(7)
+    run.wait_for_step(STOP_AT)
     processes, ranks = node_processes(run.config), [run.rank(0), run.rank(1)]
+    assert run.latest_step() == 3  # (a scheduled save, every 3 steps: the stop's is another)
     job = [psutil.Process(run.proc.pid), *psutil.Process(run.proc.pid).children(recursive=True)]
     signalled = time.monotonic()
     run.proc.send_signal(signal.SIGUSR1)  # the batch shell only (B:)

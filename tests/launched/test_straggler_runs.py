@@ -2,9 +2,10 @@
 duty cycle (a throttled GPU, a busy host) is named, and the session's uninterrupted run (launched/conftest.py)
 raises no warning. The slowed run is a SLURM job: launchers/slurm.sbatch run by bash as sbatch would (SLURM's
 environment set, a stand-in ``scontrol`` on PATH that names this host and records a requeue). While it trains,
-a second run started on its output folder is refused (reliability/run_lock.py); then SLURM's ``--signal=USR1``
-without ``B:`` reaches every process of the job: the runner and launch.py die of it, the ranks save the step
-in flight, and the batch script still returns 75 (the launch supervisor collects it) and requeues the job."""
+a second run started on its output folder is refused (reliability/run_lock.py); then SIGUSR1 reaches every
+process of the job (``scancel --full --signal=USR1``): the runner and launch.py die of it, the ranks save the
+step in flight, and the batch script still returns 75 (the launch supervisor collects it) and requeues the
+job. (SLURM's ``--signal=B:USR1``, to the batch shell alone: tests/launched/test_multi_node.py.)"""
 
 import json
 import os
