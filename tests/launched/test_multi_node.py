@@ -309,12 +309,12 @@ SIGTERM_RUN_STEPS, STOP_AT = 16, 4  # the stop takes 2-6 steps to reach the rank
 @pytest.fixture(scope="module")
 def sigterm_run(ssh, rank_pool, tmp_path_factory):
     """A SLURM job on both "nodes" (a FaultRun through launchers/slurm.sbatch, 16 steps, checkpoints every 3,
-    2 kept) stopped after step 4 as ``--signal=B:USR1`` stops it: SIGUSR1 to the batch shell alone, then SIGKILL
-    to every process of the job left the moment the script returns (SLURM's teardown). Then its checkpoint
-    resumed on one node (2 ranks of the rank pool: what is under test is the two nodes' checkpoint, not a
-    launcher) to the end, with no scheduled save between, and an uninterrupted run of the same config (the
-    rank pool, 2 ranks) to compare it with. The launch directory is the FaultRun's: multi_node.sh writes
-    .deepspeed_env there, not in the checkout."""
+    2 kept) stopped after step 4 as ``--signal=B:USR1`` stops it: SIGUSR1 to the batch shell alone, then
+    SIGKILL to every process of the job left the moment the script returns (SLURM's teardown). Then its
+    checkpoint resumed on one node (2 ranks of the rank pool: what is under test is the two nodes'
+    checkpoint, not a launcher) to the end, with no scheduled save between, and an uninterrupted run of
+    the same config (the rank pool, 2 ranks) to compare it with. The launch directory is the FaultRun's:
+    multi_node.sh writes .deepspeed_env there, not in the checkout."""
     tmp = tmp_path_factory.mktemp("sigterm")
     sshd_log_start = ssh["log"].stat().st_size
     run = FaultRun(ssh, tmp, steps=SIGTERM_RUN_STEPS, train={"keep_checkpoints": 2}, slurm=True)
