@@ -107,11 +107,16 @@ class Throughput:
 
     @classmethod
     def for_run(
-        cls, cfg: ExperimentConfig, per_rank: int, device: torch.device, precision: str
+        cls, cfg: ExperimentConfig, per_rank: int, device: torch.device, precision: str, count: bool = True
     ) -> Throughput:
         """The run's FLOPs per sample (counted once, on a meta copy of the model) and its peak. A model the
-        count cannot trace still trains: its log has samples/s, no TFLOP/s or MFU."""
+        count cannot trace still trains: its log has samples/s, no TFLOP/s or MFU. ``count``: False on the
+        ranks that log nothing (the count takes a second or two of a rank's start-up)."""
         peak = Peak.find(cfg.train.peak_tflops, device, precision)
+        if not count:
+            made = cls(None, None, per_rank, peak)
+            made.not_counted = "counted by rank 0, which logs"
+            return made
         try:
             flops = model_flops(cfg.model)
             unmasked = None

@@ -92,7 +92,9 @@ class Trainer:
             temperature=self.temperature,
         )
         self.input_dtype = autocast_dtype(plan.deepspeed)
-        self.throughput = Throughput.for_run(self.cfg, self.layout.per_rank, self.device, plan.precision.name)
+        self.throughput = Throughput.for_run(
+            self.cfg, self.layout.per_rank, self.device, plan.precision.name, count=self.is_main
+        )
         if self.is_main:
             log.info(self.throughput.describe())
         self.engine = initialize_engine(
