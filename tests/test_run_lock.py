@@ -141,6 +141,16 @@ def test_the_supervisor_refuses_a_held_folder_before_it_launches(tmp_path, capfd
     assert f"is held by a live run (host {socket.gethostname()}, pid {holder.pid}" in err
 
 
+def test_the_supervisor_leaves_a_lock_from_another_host_to_rank_0(tmp_path, capfd):
+    """A fresh lock from another host may be a dead pod's (a replacement pod has another hostname): the
+    supervisor launches, and rank 0 watches its heartbeat (acquire()) before it refuses or takes over."""
+    command = stand_in(tmp_path, [0])
+    (tmp_path / "run").mkdir()
+    record = {"host": "node-17", "pid": 1, "started": time.time(), "process_start": None}
+    (tmp_path / "run" / "run.lock").write_text(json.dumps(record))
+    assert supervisor.main(["--", *command]) == 0 and (tmp_path / "calls.jsonl").exists()
+
+
 def test_the_runs_own_code_when_a_signal_ended_the_runner(tmp_path, capfd):
     """A runner killed by SIGUSR1 (138) after its ranks recorded 75 (SLURM's --signal without B:): 75."""
     out = tmp_path / "run"

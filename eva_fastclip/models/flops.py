@@ -39,7 +39,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import sys
 from collections.abc import Iterator
 
 import torch
@@ -176,8 +175,12 @@ def _without_meta_mask(module: nn.Module, args: tuple, kwargs: dict):
 
 
 def _is_hugging_face_model(module: nn.Module) -> bool:
-    transformers = sys.modules.get("transformers")
-    return transformers is not None and isinstance(module, transformers.PreTrainedModel)
+    """By the class's ancestry: ``transformers.PreTrainedModel`` itself is a lazy attribute whose first
+    access imports its modeling code (1.8 s), in every process that counts a model without one."""
+    return any(
+        cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.")
+        for cls in type(module).__mro__
+    )
 
 
 @contextlib.contextmanager

@@ -150,6 +150,13 @@ def live_holder(output_dir: Path) -> Holder | None:
     return holder if holder is not None and holder.why_stale() is None else None
 
 
+def held_here(output_dir: Path) -> Holder | None:
+    """The live run on this host that holds ``output_dir``, or None. One on another host is rank 0's to
+    judge (acquire() watches its heartbeat): a replacement pod must not be refused by a dead pod's lock."""
+    holder = live_holder(output_dir)
+    return holder if holder is not None and holder.host == socket.gethostname() else None
+
+
 def held_message(output_dir: Path, holder: Holder) -> str:
     return (
         f"train.output_dir {output_dir} is held by a live run ({holder.describe()}; {holder.lock}): stop "

@@ -50,7 +50,14 @@ from eva_fastclip.reliability.restarts import (
     train_config,
     with_option,
 )
-from eva_fastclip.reliability.run_lock import STALE_S, held_message, live_holder, read_exit, running_ranks
+from eva_fastclip.reliability.run_lock import (
+    STALE_S,
+    held_here,
+    held_message,
+    live_holder,
+    read_exit,
+    running_ranks,
+)
 from eva_fastclip.reliability.signals import STOP_SIGNALS
 
 #: how long the run's processes may outlive its runner when no stop was asked for (a failed rank's peers)
@@ -220,8 +227,8 @@ def main(argv: list[str] | None = None, *, subreaper: bool = False) -> int:
     if subreaper and not become_subreaper():
         log("not Linux: processes orphaned by the runner are not waited for")
     output_dir = _output_dir(command)
-    holder = live_holder(output_dir) if output_dir is not None else None
-    if holder is not None:
+    holder = held_here(output_dir) if output_dir is not None else None
+    if holder is not None:  # (one on another host: rank 0 decides, after watching its heartbeat)
         log(held_message(output_dir, holder))
         return 2
     stops = Stops()
