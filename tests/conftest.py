@@ -70,6 +70,8 @@ SLOW = {
     "test_nonfinite::test_non_finite_steps_stop_the_run_and_keep_the_last_checkpoint",
     "test_resume::test_a_conversion_is_made_once_per_save",
     "test_resume::test_a_resumed_epoch_goes_on_exactly_where_it_stopped",
+    "test_run_lock::test_a_reused_pid_and_a_silent_host_are_stale",
+    "test_run_lock::test_the_supervisor_returns_after_the_processes_its_command_left",
     "test_save_by_time::test_checkpoints_come_by_time",
     "test_throughput::test_a_run_logs_its_throughput",
     "test_train_images::test_the_fast_path_is_the_compose_on_the_same_samples_and_crops",
