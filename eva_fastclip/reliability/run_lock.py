@@ -70,12 +70,13 @@ class Holder:
     left: bool = False  # a rank's mark: it has given its part up and is exiting
     beat: int = 0  # the heartbeats so far
 
+    @property
+    def identity(self) -> tuple[str, int, float]:
+        """Which run's process this is: a pid is reused, a (host, pid, start) is not."""
+        return self.host, self.pid, self.started
+
     def same(self, other: Holder | None) -> bool:
-        return other is not None and (self.host, self.pid, self.started) == (
-            other.host,
-            other.pid,
-            other.started,
-        )
+        return other is not None and self.identity == other.identity
 
     def describe(self) -> str:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
@@ -272,8 +273,8 @@ class RunLock:
                 record["ended"] = time.time()
                 _write(self.output_dir / EXIT_FILE, record)
                 current, mine = _read(self.path), self._files[self.path]
-                if current is not None and (current.pid, current.started) == (mine["pid"], mine["started"]):
-                    self.path.unlink()
+                if current is not None and current.identity == (mine["host"], mine["pid"], mine["started"]):
+                    self.path.unlink()  # (not a lock another run took over from this one)
             for path, record in self._files.items():
                 if path != self.path:  # marked, not removed: the supervisor waits for this process's end
                     record["left"] = True

@@ -110,7 +110,7 @@ class Launch:
         self.me = psutil.Process()
         self.before = {p.pid for p in self.me.children(recursive=True)}  # not this launch's (tests)
         self.started = time.time()
-        self.earlier = {_identity(h) for h in self._live_marks()}  # another run's: not waited for
+        self.earlier = {h.identity for h in self._live_marks()}  # another run's: not waited for
         self.proc = subprocess.Popen(command, start_new_session=True)
         stops.launch = self
         if stops.signals:  # asked before the launch began
@@ -196,7 +196,7 @@ class Launch:
         """The ranks of this launch (on any host) still marked present in the output folder: not there
         before it began, and started within SKEW_S of it (the hosts' clocks may differ)."""
         since = self.started - SKEW_S
-        return [h for h in self._live_marks() if h.started >= since and _identity(h) not in self.earlier]
+        return [h for h in self._live_marks() if h.started >= since and h.identity not in self.earlier]
 
     def _live_marks(self) -> list:
         """The output folder's live lock and rank marks."""
@@ -204,10 +204,6 @@ class Launch:
             return []
         marks = [live_holder(self.output_dir), *running_ranks(self.output_dir, 0.0)]
         return [mark for mark in marks if mark is not None]
-
-
-def _identity(holder) -> tuple:
-    return holder.host, holder.pid, holder.started
 
 
 def _is_launcher(proc: psutil.Process) -> bool:
