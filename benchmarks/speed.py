@@ -87,7 +87,7 @@ def _image_size(model: torch.nn.Module) -> tuple[int, int]:
 class OpenClipStep:
     """OpenCLIP's training step (accum_freq 1, amp_bf16, no grad clipping: open_clip_train's defaults)."""
 
-    def __init__(self, arch: str, patch_dropout: float) -> None:
+    def __init__(self, arch: str, patch_dropout: float, precision: str = "bf16") -> None:
         import open_clip
 
         import eva_fastclip.models  # noqa: F401  (registers the shipped toy architectures with open_clip)
@@ -109,6 +109,8 @@ class OpenClipStep:
             betas=OPENCLIP_BETAS,
             eps=OPENCLIP_EPS,
         )
+        # open_clip_train's --precision amp_bf16 (autocast over an fp32 model) or fp32 (no autocast)
+        self.autocast = precision == "bf16"
         self.device_type = "cpu" if not torch.cuda.is_available() else "cuda"
         self.device = torch.device(self.device_type)
         self.model.to(self.device)
@@ -118,7 +120,7 @@ class OpenClipStep:
         images = images.to(self.device, non_blocking=True)
         tokens = tokens.to(self.device, non_blocking=True)
         self.optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device_type=self.device_type, dtype=torch.bfloat16):
+        with torch.autocast(device_type=self.device_type, dtype=torch.bfloat16, enabled=self.autocast):
             out = self.model(images, tokens)
             loss = self.loss(out["image_features"], out["text_features"], out["logit_scale"])
         forward_done = _synchronized_time()

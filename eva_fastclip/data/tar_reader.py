@@ -63,6 +63,9 @@ class BadSample(ValueError):
         super().__init__(message)
         self.reason, self.url = reason, url
 
+    def __reduce__(self):  # raised in loader workers: pickle rebuilds it from these, not from args
+        return type(self), (self.reason, self.url, str(self))
+
 
 class FailureLog:
     """Counts the skipped samples of this process's stream by reason and stops a stream that only fails.

@@ -56,13 +56,20 @@ class Problem:
 
 
 class PreflightError(ConfigError):
-    """The run cannot start; the message lists every error found."""
+    """The run cannot start; the message lists every error found.
+
+    Rank 0's verdict reaches the other ranks pickled (reliability/process.py's ``on_rank0``): pickle
+    rebuilds an exception from ``args``, so ``__reduce__`` gives back the list, not the message (which
+    would come back as one "problem" per character)."""
 
     def __init__(self, errors: list[Problem]) -> None:
-        self.errors = errors
+        self.errors = list(errors)
         super().__init__(
             f"{len(errors)} problem(s) before step 1:\n" + "\n".join(f"  - {problem}" for problem in errors)
         )
+
+    def __reduce__(self):
+        return type(self), (self.errors,)
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """What a rank's set-up decides with the other ranks or for its process (tests/test_engine_setup.py has the
-rest): the precision every rank agrees on, and the host memory a CPU rank keeps; pieces of the session's
-2-rank suite."""
+rest): the precision every rank agrees on, the host memory a CPU rank keeps, and the plan's error every
+rank reads; pieces of the session's 2-rank suite."""
 
 import ctypes
 import json
@@ -13,7 +13,7 @@ import torch.distributed as dist
 from eva_fastclip.plan.precision import Hardware, common_hardware
 from eva_fastclip.reliability.process import keep_freed_host_memory
 
-TWO_RANK_PIECES = ("host_memory", "hardware")
+TWO_RANK_PIECES = ("host_memory", "hardware", "preflight_error")
 
 
 class MallInfo2(ctypes.Structure):
@@ -79,3 +79,37 @@ def test_ranks_on_different_cpus_agree_on_one_precision(two_rank_suite):
     results = [json.loads((out / f"{rank}.json").read_text()) for rank in (0, 1)]
     assert [native for native, _ in results] == [False, False]
     assert "another rank runs on CPU of rank 1" in results[0][1]
+
+
+#: remote shards that record no size: rank 0's plan stops the run (FORMATS.md: a URL is read only in training)
+REMOTE_SHARDS = "s3://bucket/x/shard-{000000..000003}.tar"
+
+
+def preflight_error(out):
+    """Every rank of the 2-rank suite: ``eva-fastclip train`` on remote shards without data.num_samples,
+    as a user runs it; what it prints on stderr, and its exit code. The plan is made by rank 0, whose
+    error reaches rank 1 pickled (reliability/process.py's on_rank0)."""
+    import contextlib
+    import io
+
+    from eva_fastclip.cli import main
+
+    sets = [f'data.train_shards=["{REMOTE_SHARDS}"]', "eval.zeroshot_dir=null", "eval.retrieval_shards=null"]
+    sets += [f"train.output_dir={out / 'run'}", "data.workers=0"]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["train", "--config", "configs/toy.json", *(a for s in sets for a in ("--set", s))])
+    (out / f"{dist.get_rank()}.json").write_text(json.dumps({"code": code, "stderr": err.getvalue()}))
+
+
+def test_a_plan_error_prints_the_same_readable_list_on_every_rank(two_rank_suite):
+    """Rank 1 used to print "260 problem(s) before step 1" and the message one character per line: the
+    PreflightError it got was rebuilt by pickle from the message, not the list."""
+    out = two_rank_suite("preflight_error")
+    printed = [json.loads((out / f"{rank}.json").read_text()) for rank in (0, 1)]
+    assert [p["code"] for p in printed] == [2, 2]
+    lines = [p["stderr"].strip().splitlines() for p in printed]
+    assert lines[0] == lines[1]
+    assert lines[0][0] == "eva-fastclip train: error: 1 problem(s) before step 1:"
+    assert lines[0][1].startswith("  - data.num_samples: cannot tell how many samples the shards hold: s3://")
+    assert len(lines[0]) == 2

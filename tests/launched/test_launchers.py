@@ -105,6 +105,39 @@ def test_a_port_in_use_is_one_line_naming_master_port(fake_bin):
     )
 
 
+def test_a_live_stores_port_is_refused(fake_bin):
+    """A run's own listener, PyTorch's TCPStore (rank 0's), as a second run on its port meets it."""
+    from torch.distributed import TCPStore
+
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    result = launch(fake_bin, MASTER_PORT=str(port))
+    del store
+    assert result.returncode == 2 and "ARGS" not in result.stdout
+    assert f"MASTER_PORT={port} is in use on this host" in result.stderr
+
+
+def test_a_port_a_finished_run_left_in_time_wait_is_taken(fake_bin):
+    """Right after a run ends, its store's port sits in TIME_WAIT for about a minute: a plain bind fails
+    there, TCPStore's (SO_REUSEADDR) does not, so a new run on the same MASTER_PORT must start."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    server_side, _ = listener.accept()
+    server_side.close()  # the store closes first, as a finished rank 0 does: its end waits in TIME_WAIT
+    client.close()
+    listener.close()
+    with socket.socket() as plain, pytest.raises(OSError, match="Address already in use"):
+        plain.bind(("", port))  # what the launcher tested before: refused in TIME_WAIT
+    args, _ = called_with(launch(fake_bin, MASTER_PORT=str(port)))
+    assert args[args.index("--master_port") + 1] == str(port)
+
+
 def test_the_launchers_refuse_a_bad_max_restarts():
     env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}  # (an in-process run's, maybe)
     env.update(MAX_RESTARTS="two", NUM_GPUS="1")
