@@ -1,20 +1,27 @@
 """Training-step speed: our DeepSpeed step against OpenCLIP's own step, with and without 50% masking.
 
     python -m benchmarks.speed [--model ViT-B-16] [--batch-size 8] [--steps 5] [--warmup 2]
+                               [--precision auto|bf16|fp32] [--compile] [--trace-dir DIR]
 
-Four contestants, (ours, openclip) x (patch dropout 0.0, 0.5), share one process, one architecture, one
-batch size and one precision (bf16). Each is warmed up, then the timed steps are interleaved round-robin
+The contestants (benchmarks/step_contestants.py), (ours, openclip) x (patch dropout 0.0, 0.5), and with
+``--compile`` the same four compiled (ours: ``train.compile``; OpenCLIP: ``--torchcompile`` with its step
+strategy), share one process, one architecture, one batch size and one precision: ``auto`` is bf16 where
+the device computes it natively and fp32 elsewhere, so a CPU without native bf16 compares both sides in
+fp32 instead of timing emulated bf16. Each is warmed up, then the timed steps are interleaved round-robin
 (one step of each contestant per round, the starting contestant rotating), so a slow phase of the machine
-hits all four alike. Reported: the median step time of each, samples/s, and two kinds of ratios: ours over
-OpenCLIP at equal masking, and each side's speed-up from masking. On CPU only the ratios mean anything.
-Both sides' TFLOP/s and MFU use one FLOP count per masking, the training log's (eva_fastclip/models/flops.py:
-3 x the forward's matrix products over the kept tokens) and its peak table (eva_fastclip/engine/throughput.py:
-A100, H100, H200 in bf16); ``--peak-tflops`` gives the peak elsewhere.
+hits all alike. Reported: the median step time of each, samples/s, its phases (forward, backward, and
+everything after the backward, in seconds and as a share of the step), and the ratios: ours over OpenCLIP
+at equal masking, compiled against eager, each side's speed-up from masking, and OpenCLIP's step after the
+backward over ours. On CPU only the ratios mean anything. Both sides' TFLOP/s and MFU use one FLOP count
+per masking, the training log's (eva_fastclip/models/flops.py) and its peak table
+(eva_fastclip/engine/throughput.py); ``--peak-tflops`` gives the peak elsewhere. ``--trace-dir`` writes a
+``torch.profiler`` trace of one more step of each contestant (chrome://tracing, Perfetto).
 
-- **ours**: ``Trainer.train_step`` — the DeepSpeed engine (ZeRO-1, bf16 module, LAMB by default:
-  ``ds_configs/zero1_bf16_lamb.json``), our loss in fp32, ``engine.backward``, ``engine.step``, hooks.
+- **ours**: ``Trainer.train_step`` — the DeepSpeed engine of ``--deepspeed-config`` (default: ZeRO-0 with
+  LAMB, bf16 by autocast over fp32 weights: ``ds_configs/zero0_lamb.json``), our loss in fp32,
+  ``engine.backward``, ``engine.step``, hooks.
 - **openclip**: the step of open_clip's trainer (``open_clip_train/train.py``) with its defaults: an fp32
-  model under ``torch.autocast(bfloat16)`` for forward and ``ClipLoss``, ``loss.backward()``,
+  model under ``torch.autocast(bfloat16)`` (fp32: none) for forward and ``ClipLoss``, ``loss.backward()``,
   ``torch.optim.AdamW`` over open_clip's parameter groups, ``zero_grad``, logit_scale clamped to [0, ln 100].
 """
 
@@ -23,7 +30,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import platform
 import statistics
@@ -37,196 +43,22 @@ from typing import Any
 import torch
 
 from benchmarks.command_line import run_main
+from benchmarks.step_contestants import (
+    OPENCLIP_BETAS,
+    OPENCLIP_EPS,
+    OPENCLIP_LR,
+    OPENCLIP_WD,
+    OpenClipStep,
+    OursStep,
+    image_size,
+    native_precision,
+    synthetic_batch,
+)
 from eva_fastclip.plan.precision import cpu_model
 
 MASKS = (0.0, 0.5)
-DEFAULT_DS_CONFIG = "ds_configs/zero1_bf16_lamb.json"
-
-# open_clip_train's defaults for ViT models (params.py: get_default_params) and its step's clamp
-OPENCLIP_LR, OPENCLIP_BETAS, OPENCLIP_EPS, OPENCLIP_WD = 5e-4, (0.9, 0.98), 1e-6, 0.2
-LOGIT_SCALE_MAX = math.log(100.0)
-
-
-# ---- data ---------------------------------------------------------------------------------------------
-
-
-class SyntheticLoader:
-    """The same pre-built batch again and again: what ``Trainer`` needs from a loader, and nothing more."""
-
-    def __init__(self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], num_batches: int) -> None:
-        self.batch = batch
-        self.num_batches = num_batches
-        self.dataset_size = int(batch[2].max()) + 1  # indices are 0..B-1
-
-    def set_epoch(self, epoch: int) -> None:
-        pass
-
-    def __iter__(self):
-        for _ in range(self.num_batches):
-            yield self.batch
-
-
-def synthetic_batch(
-    batch_size: int, image_size: tuple[int, int], context_length: int, vocab_size: int, seed: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random images (fp32, normalised-looking), random token ids, indices 0..B-1."""
-    gen = torch.Generator().manual_seed(seed)
-    images = torch.randn(batch_size, 3, *image_size, generator=gen)
-    tokens = torch.randint(1, vocab_size, (batch_size, context_length), generator=gen, dtype=torch.long)
-    return images, tokens, torch.arange(batch_size)
-
-
-def _image_size(model: torch.nn.Module) -> tuple[int, int]:
-    size = model.visual.image_size
-    return (size, size) if isinstance(size, int) else tuple(size)
-
-
-# ---- contestants --------------------------------------------------------------------------------------
-
-
-class OpenClipStep:
-    """OpenCLIP's training step (accum_freq 1, amp_bf16, no grad clipping: open_clip_train's defaults)."""
-
-    def __init__(self, arch: str, patch_dropout: float, precision: str = "bf16") -> None:
-        import open_clip
-
-        import eva_fastclip.models  # noqa: F401  (registers the shipped toy architectures with open_clip)
-
-        self.model = open_clip.create_model(
-            arch, force_patch_dropout=patch_dropout, pretrained_text=False, output_dict=True
-        )
-        self.model.train()
-        self.loss = open_clip.loss.ClipLoss()
-        # open_clip_train/main.py: no weight decay on gains, biases and the temperature
-        exclude = lambda n, p: p.ndim < 2 or "bn" in n or "ln" in n or "bias" in n or "logit_scale" in n  # noqa: E731
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            [
-                {"params": [p for n, p in named if exclude(n, p)], "weight_decay": 0.0},
-                {"params": [p for n, p in named if not exclude(n, p)], "weight_decay": OPENCLIP_WD},
-            ],
-            lr=OPENCLIP_LR,
-            betas=OPENCLIP_BETAS,
-            eps=OPENCLIP_EPS,
-        )
-        # open_clip_train's --precision amp_bf16 (autocast over an fp32 model) or fp32 (no autocast)
-        self.autocast = precision == "bf16"
-        self.device_type = "cpu" if not torch.cuda.is_available() else "cuda"
-        self.device = torch.device(self.device_type)
-        self.model.to(self.device)
-
-    def step(self, images: torch.Tensor, tokens: torch.Tensor, indices: torch.Tensor) -> float:
-        start = time.perf_counter()
-        images = images.to(self.device, non_blocking=True)
-        tokens = tokens.to(self.device, non_blocking=True)
-        self.optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device_type=self.device_type, dtype=torch.bfloat16, enabled=self.autocast):
-            out = self.model(images, tokens)
-            loss = self.loss(out["image_features"], out["text_features"], out["logit_scale"])
-        forward_done = _synchronized_time()
-        loss.backward()
-        backward_done = _synchronized_time()
-        self.optimizer.step()
-        with torch.no_grad():
-            self.model.logit_scale.clamp_(0, LOGIT_SCALE_MAX)
-        value = loss.item()
-        self.phases = {
-            "forward": forward_done - start,
-            "backward": backward_done - forward_done,
-            "optimizer": time.perf_counter() - backward_done,
-        }
-        return value
-
-    def close(self) -> None:
-        pass
-
-
-def bench_trainer(
-    arch: str,
-    patch_dropout: float,
-    batch_size: int,
-    batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    output_dir: str,
-    ds_config_path: str = DEFAULT_DS_CONFIG,
-    extra: tuple[str, ...] = (),
-    micro_batches: int = 1,
-):
-    """A Trainer of the default recipe with OpenCLIP's loss, fed ``batch`` by a synthetic loader (an epoch
-    of ``micro_batches``: the caller feeds ``train_step`` itself)."""
-    from eva_fastclip.config import load_config
-    from eva_fastclip.engine.build import build_trainer
-    from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
-
-    cfg = load_config(
-        None,
-        [
-            f"model.name={arch}",
-            f"model.patch_dropout={patch_dropout}",
-            "loss.name=openclip",  # the same loss as OpenCLIP's ClipLoss: the step is what we compare
-            f"train.batch_size={batch_size}",
-            "train.steps=1000000",
-            f"train.deepspeed_config={ds_config_path}",
-            f"train.output_dir={output_dir}",
-            "train.log_every_steps=1000000",
-            "eval.every_steps=0",  # and no zero-shot / retrieval sets: evaluation off
-            *extra,
-        ],
-    )
-    return build_trainer(
-        cfg, load_deepspeed_config(ds_config_path), loader=SyntheticLoader(batch, micro_batches)
-    )
-
-
-class OursStep:
-    """Our ``Trainer.train_step``, on a Trainer built from the default recipe with a synthetic loader."""
-
-    def __init__(
-        self,
-        arch: str,
-        patch_dropout: float,
-        batch_size: int,
-        batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        output_dir: str,
-        ds_config_path: str = DEFAULT_DS_CONFIG,
-    ) -> None:
-        self.trainer = bench_trainer(arch, patch_dropout, batch_size, batch, output_dir, ds_config_path)
-        # phase timers around the engine's own backward and step (the trainer calls them by attribute)
-        engine = self.trainer.engine
-        self._marks: dict[str, float] = {}
-        for phase, method in (("backward", engine.backward), ("step", engine.step)):
-            engine.__dict__[phase] = self._timed(phase, method)
-
-    def _timed(self, phase: str, method):
-        def run(*args, **kwargs):
-            self._marks[phase + "_start"] = _synchronized_time()
-            out = method(*args, **kwargs)
-            self._marks[phase + "_end"] = _synchronized_time()
-            return out
-
-        return run
-
-    def step(self, images: torch.Tensor, tokens: torch.Tensor, indices: torch.Tensor) -> float:
-        start = time.perf_counter()
-        metrics = self.trainer.train_step(images, tokens, indices)
-        end = time.perf_counter()
-        self.trainer.step += 1
-        m = self._marks
-        self.phases = {  # forward: the model and the loss; optimizer: the engine's step and our hooks
-            "forward": m["backward_start"] - start,
-            "backward": m["backward_end"] - m["backward_start"],
-            "optimizer": end - m["backward_end"],
-        }
-        return metrics["loss"]
-
-    def close(self) -> None:
-        if self.trainer.writer is not None:
-            self.trainer.writer.close()
-
-
-def _synchronized_time() -> float:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter()
+DEFAULT_DS_CONFIG = "ds_configs/zero0_lamb.json"
+PHASES = ("forward", "backward", "after_backward")
 
 
 # ---- the run ------------------------------------------------------------------------------------------
@@ -259,7 +91,8 @@ def time_interleaved(
             times[name].append(time.perf_counter() - start)
             losses[name].append(loss)
             for phase, seconds in getattr(contestants[name], "phases", {}).items():
-                phases[name].setdefault(phase, []).append(seconds)
+                if seconds is not None:
+                    phases[name].setdefault(phase, []).append(seconds)
     return times, losses, phases
 
 
@@ -277,8 +110,8 @@ def _versions() -> dict[str, str]:
     }
 
 
-def contestant_name(side: str, mask: float) -> str:
-    return f"{side} mask={mask:g}"
+def contestant_name(side: str, mask: float, compiled: bool = False) -> str:
+    return f"{side}{' compiled' if compiled else ''} mask={mask:g}"
 
 
 def run_speed_benchmark(
@@ -290,9 +123,13 @@ def run_speed_benchmark(
     output: str | Path | None = "runs/bench/speed.json",
     progress: bool = True,
     peak_tflops: float | None = None,
+    precision: str = "auto",
+    compiled: bool = False,
+    trace_dir: str | Path | None = None,
 ) -> dict[str, Any]:
-    """Build the four contestants, warm them up, time ``steps`` interleaved rounds; return (and write) the
-    results. ``peak_tflops``: the device's bf16 peak for MFU, where the training log's table has none."""
+    """Build the contestants, warm them up, time ``steps`` interleaved rounds; return (and write) the
+    results. ``peak_tflops``: the device's peak in ``precision`` for MFU, where the training log's table
+    has none; ``compiled``: the compiled contestants too; ``trace_dir``: a profiler trace of each."""
     import open_clip
 
     import eva_fastclip.models  # noqa: F401  (registers the shipped toy architectures with open_clip)
@@ -303,35 +140,46 @@ def run_speed_benchmark(
         raise ValueError(f"benchmarks.speed needs --peak-tflops > 0, got {peak_tflops}")
     if model not in open_clip.list_models():
         raise ValueError(f"--model {model!r} is not an open_clip architecture")
-    _warn_if_bf16_is_emulated()
+    if precision not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"--precision must be auto, bf16 or fp32, got {precision!r}")
+    precision = native_precision() if precision == "auto" else precision
+    _warn_if_bf16_is_emulated(precision)
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory(prefix="eva_fastclip_bench_") as tmp:
-        contestants, batch = _speed_contestants(model, batch_size, ds_config, tmp)
+        contestants, batch = _speed_contestants(model, batch_size, ds_config, tmp, precision, compiled)
         times, losses, phases = time_interleaved(contestants, batch, warmup, steps, threads, progress)
+        traces = write_traces(contestants, batch, trace_dir) if trace_dir is not None else {}
         for contestant in contestants.values():
             contestant.close()
     by_name = {
         name: _contestant_result(times[name], losses[name], phases[name], batch_size) for name in contestants
     }
     flops = model_flops_per_mask(model)
-    peak = _peak(peak_tflops)
+    peak = _peak(peak_tflops, precision)
     for name, result in by_name.items():
         result.update(utilization(result, flops[name.rpartition("mask=")[2]], peak.tflops))
+        if name in traces:
+            result["trace"] = traces[name]
     results = {
         "config": {
             "model": model,
             "batch_size": batch_size,
+            "precision": precision,
+            "compiled": compiled,
             "rounds": steps,
             "warmup_steps": warmup,
             "masks": list(MASKS),
             "image_size": list(batch[0].shape[-2:]),
             "context_length": int(batch[1].shape[1]),
-            "ours": f"Trainer.train_step, {ds_config} (DeepSpeed engine, bf16 module, fp32 loss)",
-            "openclip": "open_clip model fp32 + torch.autocast(bf16), ClipLoss, torch.optim.AdamW "
-            f"(lr {OPENCLIP_LR}, betas {OPENCLIP_BETAS}, eps {OPENCLIP_EPS}, wd {OPENCLIP_WD})",
-            "timing": "time.perf_counter around one step; rounds interleave the four contestants "
-            "round-robin, the first one rotating each round; median per contestant",
+            "ours": f"Trainer.train_step, {ds_config} (DeepSpeed engine, train.precision={precision}, "
+            "fp32 loss)",
+            "openclip": f"open_clip model fp32{' + torch.autocast(bf16)' if precision == 'bf16' else ''}, "
+            f"ClipLoss, torch.optim.AdamW (lr {OPENCLIP_LR}, betas {OPENCLIP_BETAS}, eps {OPENCLIP_EPS}, "
+            f"wd {OPENCLIP_WD}); compiled: --torchcompile-strategy step (forward, backward, optimizer step "
+            "in one torch.compile'd closure, lr a tensor)",
+            "timing": "time.perf_counter around one step; rounds interleave the contestants round-robin, "
+            "the first one rotating each round; median per contestant",
             "gflop_per_sample": {mask: f / 1e9 for mask, f in flops.items()},
             "flops": "model FLOPs per training sample, both sides alike: 3 x the forward's matrix products "
             "over the tokens the masking keeps (eva_fastclip/models/flops.py)",
@@ -345,6 +193,23 @@ def run_speed_benchmark(
     return write_results(results, output)
 
 
+def write_traces(contestants: dict[str, Any], batch, trace_dir: str | Path) -> dict[str, str]:
+    """One more step of each contestant under ``torch.profiler``, its chrome trace in ``trace_dir``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    folder = Path(trace_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    written = {}
+    for name, contestant in contestants.items():
+        with profile(activities=activities) as prof:
+            contestant.step(*batch)
+        path = folder / (name.replace(" ", "_").replace("=", "") + ".json")
+        prof.export_chrome_trace(str(path))
+        written[name] = str(path)
+    return written
+
+
 def model_flops_per_mask(model: str) -> dict[str, float]:
     """The training FLOPs of one sample of ``model`` at each masking, keyed as the contestants' names
     end ("0", "0.5"): the training log's count, the same for ours and OpenCLIP's (one architecture)."""
@@ -354,20 +219,22 @@ def model_flops_per_mask(model: str) -> dict[str, float]:
     return {f"{mask:g}": model_flops(ModelConfig(name=model, patch_dropout=mask)).training for mask in MASKS}
 
 
-def _peak(peak_tflops: float | None):
-    """The bf16 peak MFU divides by: ``--peak-tflops``, else the training log's table for this GPU."""
+def _peak(peak_tflops: float | None, precision: str):
+    """The peak MFU divides by: ``--peak-tflops``, else the training log's table for this GPU."""
     from eva_fastclip.engine.throughput import Peak
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return Peak.find(peak_tflops, device, "bf16")
+    return Peak.find(peak_tflops, device, precision)
 
 
 def utilization(result: dict[str, Any], flops: float, peak_tflops: float | None) -> dict[str, Any]:
     """A contestant's model TFLOP/s and MFU (None without a peak), of the whole step and of its forward and
-    backward alone (the model's own work, without the optimizer step)."""
-    compute = result["phases_median_s"]["forward"] + result["phases_median_s"]["backward"]
+    backward alone (the model's own work, without the step after the backward; None where the step is
+    one compiled closure)."""
+    phases = result["phases_median_s"]
+    compute = phases["forward"] + phases["backward"] if phases else None
     tflops = result["samples_per_s"] * flops / 1e12
-    compute_tflops = tflops * result["median_s"] / compute if compute > 0 else None
+    compute_tflops = tflops * result["median_s"] / compute if compute else None
     return {
         "gflop_per_sample": flops / 1e9,
         "tflops": tflops,
@@ -377,71 +244,86 @@ def utilization(result: dict[str, Any], flops: float, peak_tflops: float | None)
     }
 
 
-def _warn_if_bf16_is_emulated() -> None:
+def _warn_if_bf16_is_emulated(precision: str) -> None:
     from eva_fastclip.plan.precision import detect_hardware
 
     hardware = detect_hardware()
-    if not hardware.native_bf16:  # both contestants run bf16: the ratio holds, the absolute times do not
+    if precision == "bf16" and not hardware.native_bf16:
         warnings.warn(
             f"{hardware.description} only emulates bf16, which both contestants use: their ratio is like "
-            "for like, but neither time says anything about training here (train.precision=auto picks fp32)",
+            "for like, but dominated by emulated matrix products (--precision auto picks fp32 here)",
             stacklevel=3,
         )
 
 
-def _speed_contestants(model: str, batch_size: int, ds_config: str, tmp: str) -> tuple[dict[str, Any], Any]:
-    """The four contestants in the report's order, and the one batch they all step on, built from the
+def _speed_contestants(
+    model: str, batch_size: int, ds_config: str, tmp: str, precision: str, compiled: bool
+) -> tuple[dict[str, Any], Any]:
+    """The contestants in the report's order, and the one batch they all step on, built from the
     architecture's own sizes before any timing."""
     import open_clip
 
     contestants: dict[str, Any] = {}
     batch = None
+    kinds = (False, True) if compiled else (False,)
     for mask in MASKS:
-        name = contestant_name("openclip", mask)
-        contestants[name] = OpenClipStep(model, mask)
-        if batch is None:
-            oc = contestants[name].model
-            context_length = open_clip.get_tokenizer(model).context_length
-            batch = synthetic_batch(batch_size, _image_size(oc), context_length, oc.vocab_size)
+        for kind in kinds:
+            name = contestant_name("openclip", mask, kind)
+            contestants[name] = OpenClipStep(model, mask, precision, compiled=kind)
+            if batch is None:
+                oc = contestants[name].model
+                context_length = open_clip.get_tokenizer(model).context_length
+                batch = synthetic_batch(batch_size, image_size(oc), context_length, oc.vocab_size)
     for mask in MASKS:
-        name = contestant_name("ours", mask)
-        folder = str(Path(tmp) / f"ours_{mask:g}")
-        contestants[name] = OursStep(model, mask, batch_size, batch, folder, ds_config)
-    order = [contestant_name(side, mask) for mask in MASKS for side in ("ours", "openclip")]
+        for kind in kinds:
+            folder = str(Path(tmp) / f"ours_{mask:g}{'_compiled' if kind else ''}")
+            contestants[contestant_name("ours", mask, kind)] = OursStep(
+                model, mask, batch_size, batch, folder, ds_config, precision, compiled=kind
+            )
+    order = [
+        contestant_name(side, mask, kind) for mask in MASKS for kind in kinds for side in ("ours", "openclip")
+    ]
     return {name: contestants[name] for name in order}, batch
 
 
 def _contestant_result(times: list[float], losses: list[float], phases: dict, batch_size: int) -> dict:
     median = statistics.median(times)
+    phase_medians = {k: statistics.median(v) for k, v in phases.items()}
     return {
         "step_times_s": times,
         "median_s": median,
         "min_s": min(times),
         "samples_per_s": batch_size / median,
         "losses": losses,
-        "phases_median_s": {k: statistics.median(v) for k, v in phases.items()},
+        "phases_median_s": phase_medians,
+        "after_backward_share": phase_medians["after_backward"] / median if phase_medians else None,
         "phase_times_s": phases,
     }
 
 
 def speed_ratios(by_name: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """Ours over OpenCLIP at equal masking and each side's masking speed-up (>1: the first is faster), of
-    the whole step and of the model's own work (forward + backward, without the optimizer step)."""
+    """Speed ratios (>1: the first named is faster): ours over OpenCLIP at equal masking, of the whole
+    step, of the model's own work (forward + backward) and of the step after the backward; compiled over
+    eager where the compiled contestants ran; each side's masking speed-up."""
     med = {name: r["median_s"] for name, r in by_name.items()}
-    compute = {
-        name: r["phases_median_s"]["forward"] + r["phases_median_s"]["backward"]
-        for name, r in by_name.items()
-    }
-    o0, o5 = contestant_name("ours", 0.0), contestant_name("ours", 0.5)
-    c0, c5 = contestant_name("openclip", 0.0), contestant_name("openclip", 0.5)
+    phases = {name: r["phases_median_s"] for name, r in by_name.items()}
     ratios = {}
-    for prefix, t in (("", med), ("compute_", compute)):
-        ratios |= {
-            f"{prefix}ours_over_openclip_mask0": t[c0] / t[o0],
-            f"{prefix}ours_over_openclip_mask0.5": t[c5] / t[o5],
-            f"{prefix}masking_speedup_ours": t[o0] / t[o5],
-            f"{prefix}masking_speedup_openclip": t[c0] / t[c5],
-        }
+    for mask in MASKS:
+        m = f"mask{mask:g}"
+        ours, oc = contestant_name("ours", mask), contestant_name("openclip", mask)
+        ratios[f"ours_over_openclip_{m}"] = med[oc] / med[ours]
+        compute = {n: phases[n]["forward"] + phases[n]["backward"] for n in (ours, oc)}
+        ratios[f"compute_ours_over_openclip_{m}"] = compute[oc] / compute[ours]
+        after = {n: phases[n]["after_backward"] for n in (ours, oc)}
+        ratios[f"after_backward_ours_over_openclip_{m}"] = after[oc] / after[ours]
+        ours_c, oc_c = contestant_name("ours", mask, True), contestant_name("openclip", mask, True)
+        if ours_c in med:
+            ratios[f"ours_compiled_over_openclip_{m}"] = med[oc] / med[ours_c]
+            ratios[f"ours_compiled_over_openclip_compiled_{m}"] = med[oc_c] / med[ours_c]
+            ratios[f"ours_compiled_over_ours_{m}"] = med[ours] / med[ours_c]
+            ratios[f"openclip_compiled_over_openclip_{m}"] = med[oc] / med[oc_c]
+    for side in ("ours", "openclip"):
+        ratios[f"masking_speedup_{side}"] = med[contestant_name(side, 0.0)] / med[contestant_name(side, 0.5)]
     return ratios
 
 
@@ -471,6 +353,10 @@ def _percent(value: float | None) -> str:
     return "-" if value is None else f"{value:.1%}"
 
 
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def format_report(results: dict[str, Any]) -> str:
     cfg, env = results["config"], results["environment"]
     gflop = ", ".join(f"mask {mask}: {value:.4g}" for mask, value in cfg["gflop_per_sample"].items())
@@ -479,31 +365,38 @@ def format_report(results: dict[str, Any]) -> str:
     else:
         peak = f"no MFU: {cfg['peak']} (--peak-tflops sets one)"
     lines = [
-        f"{cfg['model']}, batch {cfg['batch_size']}, bf16, {cfg['rounds']} interleaved rounds "
-        f"(median), {env['torch_threads']} threads, {env['cpu_model']}",
+        f"{cfg['model']}, batch {cfg['batch_size']}, {cfg['precision']}, {cfg['rounds']} interleaved rounds "
+        f"(median), {env['torch_threads']} threads, {env['cuda'] or env['cpu_model']}",
         f"GFLOP per training sample, both sides: {gflop}; {peak}",
-        f"{'contestant':<20} {'median s/step':>14} {'samples/s':>10} {'TFLOP/s':>8} {'MFU':>6} "
-        f"{'fwd+bwd MFU':>12} {'forward':>8} {'backward':>9} {'optimizer':>10}",
+        f"{'contestant':<29} {'median s/step':>14} {'samples/s':>10} {'TFLOP/s':>8} {'MFU':>6} "
+        f"{'fwd+bwd MFU':>12} {'forward':>8} {'backward':>9} {'after bwd':>10} {'share':>6}",
     ]
     for name, r in results["contestants"].items():
         ph = r["phases_median_s"]
         lines.append(
-            f"{name:<20} {r['median_s']:>14.3f} {r['samples_per_s']:>10.2f} {r['tflops']:>8.3g} "
-            f"{_percent(r['mfu']):>6} {_percent(r['compute_mfu']):>12} {ph['forward']:>8.3f} "
-            f"{ph['backward']:>9.3f} {ph['optimizer']:>10.3f}"
+            f"{name:<29} {r['median_s']:>14.3f} {r['samples_per_s']:>10.2f} {r['tflops']:>8.3g} "
+            f"{_percent(r['mfu']):>6} {_percent(r['compute_mfu']):>12} {_seconds(ph.get('forward')):>8} "
+            f"{_seconds(ph.get('backward')):>9} {_seconds(ph.get('after_backward')):>10} "
+            f"{_percent(r['after_backward_share']):>6}"
         )
     ratios = results["ratios"]
-    lines += [
-        "speed ratio (>1: ours faster)   whole step   forward+backward",
-        f"ours / openclip, mask 0:        {ratios['ours_over_openclip_mask0']:>9.2f}x "
-        f"{ratios['compute_ours_over_openclip_mask0']:>17.2f}x",
-        f"ours / openclip, mask 0.5:      {ratios['ours_over_openclip_mask0.5']:>9.2f}x "
-        f"{ratios['compute_ours_over_openclip_mask0.5']:>17.2f}x",
-        f"masking speed-up, ours:         {ratios['masking_speedup_ours']:>9.2f}x "
-        f"{ratios['compute_masking_speedup_ours']:>17.2f}x",
-        f"masking speed-up, openclip:     {ratios['masking_speedup_openclip']:>9.2f}x "
-        f"{ratios['compute_masking_speedup_openclip']:>17.2f}x",
+    lines.append("speed ratio (>1: the first faster)   mask 0   mask 0.5")
+    rows = [
+        ("ours / openclip, whole step", "ours_over_openclip"),
+        ("ours / openclip, forward+backward", "compute_ours_over_openclip"),
+        ("ours / openclip, after the backward", "after_backward_ours_over_openclip"),
+        ("ours compiled / openclip", "ours_compiled_over_openclip"),
+        ("ours compiled / openclip compiled", "ours_compiled_over_openclip_compiled"),
+        ("ours compiled / ours", "ours_compiled_over_ours"),
+        ("openclip compiled / openclip", "openclip_compiled_over_openclip"),
     ]
+    for label, key in rows:
+        if f"{key}_mask0" in ratios:
+            lines.append(f"{label:<36} {ratios[f'{key}_mask0']:>6.2f}x {ratios[f'{key}_mask0.5']:>9.2f}x")
+    lines.append(
+        f"masking speed-up: ours {ratios['masking_speedup_ours']:.2f}x, openclip "
+        f"{ratios['masking_speedup_openclip']:.2f}x"
+    )
     return "\n".join(lines)
 
 
@@ -514,13 +407,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=5, help="timed rounds (one step of each contestant each)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per contestant first")
     p.add_argument("--deepspeed-config", default=DEFAULT_DS_CONFIG, help="our engine's JSON")
+    p.add_argument(
+        "--precision",
+        choices=["auto", "bf16", "fp32"],
+        default="auto",
+        help="both sides' precision (default auto: bf16 where the device computes it natively, else fp32)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time both sides compiled: ours with train.compile, OpenCLIP's --torchcompile (step)",
+    )
+    p.add_argument("--trace-dir", default=None, help="a torch.profiler trace of one step of each here")
     p.add_argument("--output", default="runs/bench/speed.json", help="JSON file for all step times")
     p.add_argument(
         "--peak-tflops",
         type=float,
         default=None,
-        help="the device's dense bf16 peak TFLOP/s for MFU (default: the training log's table: A100, H100, "
-        "H200; none elsewhere)",
+        help="the device's dense peak TFLOP/s in the precision, for MFU (default: the training log's "
+        "table: A100, H100, H200; none elsewhere)",
     )
     return p
 
@@ -535,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
             ds_config=args.deepspeed_config,
             output=args.output,
             peak_tflops=args.peak_tflops,
+            precision=args.precision,
+            compiled=args.compile,
+            trace_dir=args.trace_dir,
         )
         print(format_report(results), flush=True)
         print(f"full results: {results['output']}", flush=True)

@@ -41,6 +41,18 @@ def read_client_state(folder: Path) -> dict[str, Any]:
     return torch.load(states[0], map_location="cpu", weights_only=False)
 
 
+def trained_as(folder: Path) -> tuple[str | None, torch.dtype]:
+    """The precision a checkpoint was trained in (bf16, fp16, fp32; None: not recorded) and the dtype its
+    run held the module's weights in (bf16 / fp16 under DeepSpeed's bf16 / fp16, fp32 under autocast)."""
+    states = sorted(folder.glob("mp_rank_*_model_states.pt"))
+    module = (
+        torch.load(states[0], map_location="cpu", weights_only=False, mmap=True)["module"] if states else {}
+    )
+    held = {t.dtype for t in module.values() if t.is_floating_point()}  # buffers stay fp32 beside them
+    dtype = next((d for d in (torch.bfloat16, torch.float16) if d in held), torch.float32)
+    return checkpoint.saved_precision(folder), dtype
+
+
 def consolidated_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     """The fp32 weights of a complete checkpoint, merged from the ZeRO partitions of every rank."""
     if not checkpoint.is_complete(folder):

@@ -2,6 +2,9 @@
 are never asserted (only ratios measured on a real machine mean anything). The loss benchmark, which
 starts its ranks, is tests/launched/test_bench_loss_ranks.py's."""
 
+import json
+from pathlib import Path
+
 import pytest
 
 from benchmarks.speed import format_report, run_speed_benchmark
@@ -16,25 +19,54 @@ def test_speed_benchmark_reports_all_contestants_and_phases(tmp_path):
         output=tmp_path / "speed.json",
         progress=False,
         peak_tflops=0.001,  # no GPU here: the table has no peak for a CPU
+        precision="fp32",
+        trace_dir=tmp_path / "traces",
     )
     assert (tmp_path / "speed.json").is_file()
     names = ["ours mask=0", "openclip mask=0", "ours mask=0.5", "openclip mask=0.5"]
     assert list(results["contestants"]) == names
+    assert (
+        results["config"]["precision"] == "fp32" and "+ torch.autocast" not in results["config"]["openclip"]
+    )
     gflop = results["config"]["gflop_per_sample"]  # the training log's count, one per masking
     assert list(gflop) == ["0", "0.5"] and gflop["0"] > gflop["0.5"] > 0
     assert results["config"]["peak_tflops"] == 0.001
     for name, r in results["contestants"].items():
         assert len(r["step_times_s"]) == 2 and len(r["losses"]) == 3
-        assert set(r["phases_median_s"]) == {"forward", "backward", "optimizer"}
-        assert sum(r["phases_median_s"].values()) <= r["median_s"] * 1.5
+        phases = r["phases_median_s"]
+        assert set(phases) == {"forward", "backward", "after_backward"}
+        assert sum(phases.values()) <= r["median_s"] * 1.5
+        assert r["after_backward_share"] == pytest.approx(phases["after_backward"] / r["median_s"])
         assert r["gflop_per_sample"] == gflop[name.rpartition("=")[2]]  # ours and OpenCLIP's alike
         assert r["tflops"] == pytest.approx(r["samples_per_s"] * r["gflop_per_sample"] / 1e3)
         assert r["mfu"] == pytest.approx(r["tflops"] / 0.001)
-        compute = r["phases_median_s"]["forward"] + r["phases_median_s"]["backward"]  # without the optimizer
+        compute = phases["forward"] + phases["backward"]  # without the step after the backward
         assert r["compute_mfu"] == pytest.approx(r["mfu"] * r["median_s"] / compute)
+        trace = json.loads(Path(r["trace"]).read_text())  # chrome://tracing's format
+        assert trace["traceEvents"]
+    ratios = results["ratios"]
+    for m in ("mask0", "mask0.5"):
+        ours, oc = (
+            results["contestants"][f"ours {m[:4]}={m[4:]}"],
+            results["contestants"][f"openclip {m[:4]}={m[4:]}"],
+        )
+        after = oc["phases_median_s"]["after_backward"] / ours["phases_median_s"]["after_backward"]
+        assert ratios[f"after_backward_ours_over_openclip_{m}"] == pytest.approx(after)
+        assert ratios[f"ours_over_openclip_{m}"] == pytest.approx(oc["median_s"] / ours["median_s"])
     report = format_report(results)
-    assert "masking speed-up, ours" in report and "forward+backward" in report
+    assert "masking speed-up: ours" in report and "after the backward" in report and "share" in report
     assert "MFU" in report and "GFLOP per training sample, both sides: mask 0: " in report
+
+
+def test_speed_benchmark_precision_follows_the_hardware(monkeypatch):
+    """``--precision auto``: bf16 where the device computes it natively, else fp32 (never emulated bf16)."""
+    from benchmarks import step_contestants
+    from eva_fastclip.plan import precision
+
+    for native, expected in ((True, "bf16"), (False, "fp32")):
+        hardware = precision.Hardware(cuda=False, native_bf16=native, description="a test CPU")
+        monkeypatch.setattr(precision, "detect_hardware", lambda hardware=hardware: hardware)
+        assert step_contestants.native_precision() == expected
 
 
 def test_lamb_benchmark_times_both_trust_ratio_rules(tmp_path):

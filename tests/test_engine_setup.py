@@ -37,7 +37,48 @@ def test_shipped_configs_resolve(path):
     assert resolved["gradient_accumulation_steps"] == 2
     assert resolved["train_batch_size"] == 32
     assert resolved["optimizer"]["params"]["lr"] == 1e-3
-    assert resolved["zero_optimization"]["stage"] in (1, 2)
+    assert resolved["zero_optimization"]["stage"] in (0, 1, 2)
+
+
+@pytest.mark.parametrize(
+    "stage, setting, native_bf16, expected",
+    [
+        (0, "auto", True, "autocast"),  # bf16 by autocast over fp32 weights
+        (0, "auto", False, "fp32"),  # nothing to autocast to
+        (1, "auto", True, "deepspeed-bf16"),  # ZeRO-1/2 keep DeepSpeed's bf16 module
+        (0, False, True, "deepspeed-bf16"),
+    ],
+)
+def test_bf16_runs_by_autocast_at_stage_0_where_the_json_asks(stage, setting, native_bf16, expected):
+    from eva_fastclip.engine.setup import steps_model_tensors
+
+    ds = json.loads(Path("ds_configs/zero0_lamb.json").read_text())
+    ds["zero_optimization"]["stage"] = stage
+    ds["torch_autocast"]["enabled"] = setting
+    resolved = resolve(ds, native_bf16=native_bf16)
+    autocast, bf16 = resolved["torch_autocast"]["enabled"], resolved["bf16"]["enabled"]
+    assert {(True, False): "autocast", (False, True): "deepspeed-bf16", (False, False): "fp32"}[
+        autocast, bf16
+    ] == expected
+    assert resolved["torch_autocast"]["dtype"] == "bfloat16"
+    # the optimizer steps the model's own tensors (and clips and guards them) at stage 0 without a wrapper
+    assert steps_model_tensors(resolved) == (stage == 0 and expected != "deepspeed-bf16")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"stage": 1, "enabled": True}, r"enables torch_autocast at ZeRO stage 1: .* for stage 0"),
+        ({"dtype": "float16"}, r"torch_autocast.dtype='float16': .* bfloat16 only"),
+        ({"enabled": "yes"}, r'torch_autocast.enabled must be true, false or "auto"'),
+    ],
+)
+def test_autocast_settings_that_cannot_run_are_refused(change, message):
+    ds = json.loads(Path("ds_configs/zero0_lamb.json").read_text())
+    ds["zero_optimization"]["stage"] = change.pop("stage", 0)
+    ds["torch_autocast"].update(change)
+    with pytest.raises(ConfigError, match=message):
+        resolve(ds)
 
 
 def precision_of(ds):
@@ -226,7 +267,7 @@ def test_schedule_warms_up_linearly_then_decays_by_cosine():
 
 def test_batchnorm_towers_train_in_bf16(tmp_path):
     """DeepSpeed casts parameters, not buffers: BatchNorm's running statistics follow its weights."""
-    from benchmarks.speed import bench_trainer, synthetic_batch
+    from benchmarks.step_contestants import bench_trainer, synthetic_batch
 
     batch = synthetic_batch(4, (32, 32), 16, 49408)
     trainer = bench_trainer(

@@ -15,7 +15,9 @@ from eva_fastclip.plan.preflight import PreflightError, Problem
 
 PACKAGE = Path(__file__).parents[1] / "eva_fastclip"
 BUILTIN_EXCEPTIONS = {
-    name for name, value in vars(builtins).items() if isinstance(value, type) and issubclass(value, BaseException)
+    name
+    for name, value in vars(builtins).items()
+    if isinstance(value, type) and issubclass(value, BaseException)
 }
 
 #: an instance of each, made as the code raises it

@@ -1,8 +1,10 @@
-"""Non-finite steps through ``eva-fastclip train`` (one rank, in this process, fp32): NaN images from chosen
-steps on. What DeepSpeed does with them differs: ZeRO-1 skips the step (non-finite gradient norm), while
-without ZeRO fp32 applies it and the weights turn NaN. Either way ``train.max_skipped_steps`` steps in a row
-stop the run with exit code 3 and a message that names the step and the last complete checkpoint; no
-checkpoint is written from non-finite weights; the last complete one loads and the run resumes from it.
+"""Non-finite steps through ``eva-fastclip train`` (one rank, in this process): NaN images from chosen steps
+on. What happens to them differs: ZeRO-1 skips the step (non-finite gradient norm), and so does ZeRO-0,
+where our optimizer guards the step itself (optim/step_guard.py); DeepSpeed's bf16 without its overflow
+check (``bf16.check_grad_overflow: false``) applies it and the weights turn NaN. Either way
+``train.max_skipped_steps`` steps in a row stop the run with exit code 3 and a message that names the step
+and the last complete checkpoint; no checkpoint is written from non-finite weights; the last complete one
+loads and the run resumes from it.
 On 2 ranks, where one rank's loss alone turns non-finite: tests/launched/test_nonfinite_two_ranks.py."""
 
 import json
@@ -72,18 +74,22 @@ def train(
     max_skipped=3,
     resume=None,
     model="test-vit-xs",
+    precision="fp32",
 ):
     monkeypatch.setattr(trainer_module.TrainLoader, "for_run", lambda *args, **kwargs: Batches(poisoned))
     ds = json.loads(Path("ds_configs/zero1_fp32_lamb.json").read_text())
     ds["zero_optimization"]["stage"] = stage
-    ds_path = tmp_path / f"zero{stage}_fp32.json"
+    if precision == "bf16":  # DeepSpeed's bf16 without its overflow check: a NaN step is applied
+        ds.pop("fp16")
+        ds["bf16"] = {"enabled": True, "check_grad_overflow": False}
+    ds_path = tmp_path / f"zero{stage}_{precision}.json"
     ds_path.write_text(json.dumps(ds))
     overrides = {
         "model.name": model,
         "loss.name": "fastclip_v3",
         "data.train_shards": json.dumps([str(shards)]),
         "train.deepspeed_config": str(ds_path),
-        "train.precision": "fp32",
+        "train.precision": precision,
         "train.batch_size": BATCH,
         "train.steps": 12,
         "train.save_every_steps": save_every,
@@ -104,21 +110,35 @@ def weights_of(folder: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "stage, poisoned, save_every, stop_step, why, last",
+    "stage, precision, poisoned, save_every, stop_step, why, last",
     [
         # ZeRO-1 skips the NaN steps; the first streak (2) is below the limit and is forgotten
-        (1, {3, 4, 7, 8, 9}, 2, 9, "3 optimizer steps in a row (steps 7-9) were skipped", 8),
-        # stage 0 applies the NaN step, the weights turn NaN: the save at step 6 is refused
-        (0, {5}, 2, 6, "the weights are no longer finite after 2 non-finite step(s) in a row", 4),
+        (1, "fp32", {3, 4, 7, 8, 9}, 2, 9, "3 optimizer steps in a row (steps 7-9) were skipped", 8),
+        # ZeRO-0: our optimizer's guard skips them the same way
+        (0, "fp32", {3, 4, 7, 8, 9}, 2, 9, "3 optimizer steps in a row (steps 7-9) were skipped", 8),
+        # unchecked bf16 applies the NaN step, the weights turn NaN: the save at step 6 is refused
+        (1, "bf16", {5}, 2, 6, "the weights are no longer finite after 2 non-finite step(s) in a row", 4),
         # ... and with no save in between, the non-finite losses that follow are counted to the limit
-        (0, {5}, 4, 7, "3 optimizer steps in a row (steps 5-7) were skipped", 4),
+        (1, "bf16", {5}, 4, 7, "3 optimizer steps in a row (steps 5-7) were skipped", 4),
     ],
-    ids=["zero1-skipped", "zero0-applied-save-refused", "zero0-applied-counted"],
+    ids=["zero1-skipped", "zero0-skipped", "unchecked-applied-save-refused", "unchecked-applied-counted"],
 )
 def test_non_finite_steps_stop_the_run_and_keep_the_last_checkpoint(
-    tmp_path, shards, monkeypatch, capsys, caplog, stage, poisoned, save_every, stop_step, why, last
+    tmp_path,
+    shards,
+    monkeypatch,
+    capsys,
+    caplog,
+    stage,
+    precision,
+    poisoned,
+    save_every,
+    stop_step,
+    why,
+    last,
 ):
-    assert train(tmp_path, shards, monkeypatch, stage=stage, poisoned=poisoned, save_every=save_every) == 3
+    common = dict(stage=stage, save_every=save_every, precision=precision)
+    assert train(tmp_path, shards, monkeypatch, poisoned=poisoned, **common) == 3
     err = capsys.readouterr().err
     last_folder = tmp_path / "run/checkpoints" / checkpoint.tag_for_step(last)
     assert f"eva-fastclip train: stopped: step {stop_step}: " in err and why in err
@@ -132,10 +152,7 @@ def test_non_finite_steps_stop_the_run_and_keep_the_last_checkpoint(
 
     # the last complete checkpoint loads, and the run resumes from it to its end
     caplog.set_level(logging.INFO, logger="eva_fastclip")
-    assert (
-        train(tmp_path, shards, monkeypatch, stage=stage, poisoned=(), save_every=save_every, resume="latest")
-        == 0
-    )
+    assert train(tmp_path, shards, monkeypatch, poisoned=(), resume="latest", **common) == 0
     assert f"resumed from {last_folder} at step {last}" in caplog.text
     assert complete_steps(tmp_path / "run")[-1] == 12
     final = weights_of(tmp_path / "run/checkpoints" / checkpoint.tag_for_step(12))

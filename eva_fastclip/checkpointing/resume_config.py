@@ -12,7 +12,8 @@ new one. Every key of the config is one of:
 - ``start``: read only when a run starts (initial weights, initial temperature); the checkpoint's state
   wins, and a change is logged as having no effect.
 - ``fixed``: the checkpoint cannot go on under another value (the architecture, the loss, the trainable
-  parameters, the per-sample table's size, the warm-up, the optimizer type, the ZeRO stage): the run
+  parameters, the per-sample table's size, the warm-up, the optimizer type, the ZeRO stage, bf16 by
+  autocast or by DeepSpeed's bf16 module): the run
   stops before step 1 naming the key, both values and the way out.
 - ``elsewhere``: decided by other code (``train.precision``: plan/precision.py's ``for_resume``).
 
@@ -136,15 +137,21 @@ RULES: dict[str, Rule] = {
     "eval.batch_size": Rule(CHANGE),
     "eval.imagenet_val": Rule(CHANGE),
     "eval.workers": Rule(CHANGE),
+    "eval.precision": Rule(CHANGE),
+    "train.compile": Rule(CHANGE),  # the same weights and state, compiled or not
     "deepspeed.optimizer.type": Rule(FIXED, "the saved optimizer state is that optimizer's"),
     "deepspeed.zero_optimization.stage": Rule(FIXED, "the saved optimizer state is laid out for that stage"),
+    "deepspeed.torch_autocast.enabled": Rule(
+        FIXED,
+        "the saved optimizer state is the optimizer's own, not DeepSpeed's bf16 wrapper's (or the reverse)",
+    ),
     "deepspeed.gradient_clipping": Rule(CHANGE),
 }
 #: keys whose null means "derived" (gamma's horizon from the run's length, the table's size from the data's
 #: files): a change to or from null is no change here (a wrong table size stops the per-sample state's load)
 _NULL_MEANS_DERIVED = ("loss.gamma_decay_epochs", "data.index_size")
 #: what a checkpoint from before a key existed trained with
-_BEFORE_THE_KEY = {"train.contrastive_batch": "micro"}
+_BEFORE_THE_KEY = {"train.contrastive_batch": "micro", "deepspeed.torch_autocast.enabled": False}
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,10 +222,12 @@ def deepspeed_settings(ds: dict[str, Any]) -> dict[str, Any]:
     parameters other than lr and weight decay (the experiment config's), the ZeRO stage, the clipping."""
     optimizer = ds.get("optimizer", {})
     params = {k: v for k, v in optimizer.get("params", {}).items() if k not in ("lr", "weight_decay")}
+    autocast = ds.get("torch_autocast")
     return {
         "optimizer": {"type": optimizer.get("type"), "params": params},
         "zero_optimization": {"stage": ds.get("zero_optimization", {}).get("stage", 0)},
         "gradient_clipping": ds.get("gradient_clipping", 0.0),
+        "torch_autocast": {"enabled": isinstance(autocast, dict) and autocast.get("enabled") is True},
     }
 
 

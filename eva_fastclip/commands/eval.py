@@ -49,36 +49,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    import torch
-    from open_clip.constants import HF_SAFE_WEIGHTS_NAME
-
     from eva_fastclip.engine.evaluate import evaluate_model, format_results
     from eva_fastclip.evaluation import evaluate_datacomp, format_datacomp
-    from eva_fastclip.export import consolidated_state_dict
     from eva_fastclip.losses import Gatherer
-    from eva_fastclip.models import SCALAR_PARAMETERS, create_model
 
     if args.suite and not args.datasets_root:
         raise ValueError(
             f"--suite {args.suite} needs --datasets-root DIR (a folder of clip_benchmark wds_* folders)"
         )
     if args.precision != "fp32" and not args.suite:
-        raise ValueError("--precision applies to --suite; the eval.* sets run in fp32")
+        raise ValueError("--precision applies to --suite; the eval.* sets run in eval.precision")
     cfg = load_config(args.config, args.overrides)
-    bundle = create_model(cfg.model, logit_bias_init=cfg.loss.logit_bias_init)  # a trained SigLIP's bias
     path = Path(args.checkpoint)
-    if (path / HF_SAFE_WEIGHTS_NAME).is_file():  # an exported open_clip folder
-        import safetensors.torch
-
-        state_dict = safetensors.torch.load_file(path / HF_SAFE_WEIGHTS_NAME)
-    elif path.is_dir():
-        state_dict = consolidated_state_dict(path)
-    else:
-        state_dict = torch.load(path, map_location="cpu")
-    for name in SCALAR_PARAMETERS:  # open_clip's 0-dim, ours [1]
-        if name in state_dict and getattr(bundle.model, name, None) is not None:
-            state_dict[name] = state_dict[name].reshape(getattr(bundle.model, name).shape)
-    bundle.model.load_state_dict(state_dict, strict=True)
+    bundle, precision = load_for_evaluation(cfg, path)
     device = join_eval_ranks()
     model, collectives = bundle.model.to(device), Gatherer.from_process_group()
     is_main = collectives.rank == 0
@@ -102,11 +85,11 @@ def run(args) -> int:
             bundle,
             cfg.eval,
             device=device,
-            dtype=torch.float32,
+            dtype=precision.dtype,
             collectives=collectives,
             progress=is_main,
         )
-        text, output = format_results(results), args.output
+        text, output = format_results(results, precision), args.output
     if is_main:
         print(text)
         if output:
@@ -114,6 +97,37 @@ def run(args) -> int:
             Path(output).write_text(json.dumps({"checkpoint": str(path), **results}, indent=2))
             print(f"results: {output}")
     return 0
+
+
+def load_for_evaluation(cfg, path: Path):
+    """The model of ``cfg`` with the weights of ``path`` (a checkpoint folder, an exported ``.pt`` file or
+    open_clip folder), held as its run held them to evaluate in ``eval.precision``
+    (engine/evaluate.py); returns (bundle, EvalPrecision)."""
+    import torch
+    from open_clip.constants import HF_SAFE_WEIGHTS_NAME
+
+    from eva_fastclip.engine.evaluate import EvalPrecision, hold_as_trained
+    from eva_fastclip.export import consolidated_state_dict, trained_as
+    from eva_fastclip.models import SCALAR_PARAMETERS, create_model
+
+    bundle = create_model(cfg.model, logit_bias_init=cfg.loss.logit_bias_init)  # a trained SigLIP's bias
+    trained, saved_dtype = None, torch.float32  # an export records neither
+    if (path / HF_SAFE_WEIGHTS_NAME).is_file():  # an exported open_clip folder
+        import safetensors.torch
+
+        state_dict = safetensors.torch.load_file(path / HF_SAFE_WEIGHTS_NAME)
+    elif path.is_dir():
+        state_dict = consolidated_state_dict(path)
+        trained, saved_dtype = trained_as(path)
+    else:
+        state_dict = torch.load(path, map_location="cpu")
+    for name in SCALAR_PARAMETERS:  # open_clip's 0-dim, ours [1]
+        if name in state_dict and getattr(bundle.model, name, None) is not None:
+            state_dict[name] = state_dict[name].reshape(getattr(bundle.model, name).shape)
+    bundle.model.load_state_dict(state_dict, strict=True)
+    precision = EvalPrecision.choose(cfg.eval.precision, trained, f"checkpoint {path.name}")
+    hold_as_trained(bundle.model, precision, saved_dtype)  # as its run held it: the same figures
+    return bundle, precision
 
 
 def join_eval_ranks():

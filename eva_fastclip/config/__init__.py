@@ -1,7 +1,9 @@
 """Typed experiment configuration: load JSON, apply ``--set`` overrides, validate.
 
-- config/sections.py: the sections (model, data, loss, optim, train, eval) as typed dataclasses, the
-  experiment that holds them, and their validation; the losses' defaults and each key's choices.
+- config/sections.py: the sections of what is trained (model, data, loss, optim) as typed dataclasses
+  and their validation; the losses' defaults and each key's choices.
+- config/run_sections.py: the sections of how the run goes (train, eval) and the experiment that holds
+  every section.
 - config/loading.py: reading the JSON file, the ``--set`` overrides, building the sections from them.
 
 Every name is importable from ``eva_fastclip.config``. The batch layout derived from a config is
@@ -9,6 +11,7 @@ eva_fastclip/plan/layout.py's.
 """
 
 from .loading import TUNED_SECTION, config_from_raw, from_dict, load_config, read_raw_config
+from .run_sections import EvalConfig, ExperimentConfig, TrainConfig
 from .sections import (
     CONTRASTIVE_BATCHES,
     IMAGE_DECODE,
@@ -22,12 +25,9 @@ from .sections import (
     WEIGHT_DECAY_RULES,
     ConfigError,
     DataConfig,
-    EvalConfig,
-    ExperimentConfig,
     LossConfig,
     ModelConfig,
     OptimConfig,
-    TrainConfig,
     gamma_decay_epochs_for,
 )
 

@@ -15,7 +15,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from .sections import ConfigError, ExperimentConfig
+from .run_sections import ExperimentConfig
+from .sections import ConfigError
 
 #: a config's record of how `eva-fastclip tune` chose its layout: kept in the file, not a setting
 TUNED_SECTION = "tuned"

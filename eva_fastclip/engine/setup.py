@@ -2,7 +2,9 @@
 
 The resolved DeepSpeed JSON (plan/deepspeed_json.py) and the optimizer (optim/) come in; the engine comes
 out with the first step really the first (no warm-up step of its fp16/bf16 wrappers), BatchNorm's running
-statistics in the module's dtype, and per-tensor LAMB told which ZeRO partition holds which tensor.
+statistics in the module's dtype, per-tensor LAMB told which ZeRO partition holds which tensor, and, where
+no DeepSpeed wrapper stands between the engine and the optimizer (ZeRO-0 in fp32 or by autocast), the
+clipping and the non-finite guard in the optimizer's own step (optim/step_guard.py).
 """
 
 from __future__ import annotations
@@ -39,14 +41,31 @@ def initialize_engine(
     tensors = [p for group in optimizer.param_groups for p in group["params"]]  # before ZeRO flattens them
     scheduler = build_scheduler(optimizer, cfg, total_steps)
     engine_config = {k: v for k, v in ds.items() if k != "optimizer"}
+    unwrapped = steps_model_tensors(ds)
+    if unwrapped:  # the optimizer clips and guards (optim/step_guard.py); DeepSpeed would, tensor by tensor
+        optimizer.guard_gradients(ds.get("gradient_clipping", 0.0))
+        engine_config["gradient_clipping"] = 0.0
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=engine_config
     )
+    if unwrapped and engine.dp_world_size == 1:
+        # one rank has nothing to average: DeepSpeed would still copy every gradient into a flat buffer,
+        # "all-reduce" it alone and copy it back after each backward
+        engine.enable_backward_allreduce = False
     _undo_warm_up_step(engine)
     _running_statistics_in_module_dtype(engine.module)
     if isinstance(optimizer, Lamb) and cfg.optim.lamb_trust_ratio == "per_tensor":
         attach_zero_partitions(optimizer, tensors)
     return engine
+
+
+def steps_model_tensors(ds: dict[str, Any]) -> bool:
+    """Whether DeepSpeed hands the optimizer the model's own tensors, with no wrapper of its own: ZeRO
+    stage 0 in fp32, or in bf16 by autocast over fp32 weights (plan/precision.py). Then the step after
+    the backward is the optimizer's alone: one gradient norm that clips and guards, and the update."""
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    mixed = any(ds.get(name, {}).get("enabled") is True for name in ("bf16", "fp16"))
+    return stage == 0 and not mixed
 
 
 def _running_statistics_in_module_dtype(module: nn.Module) -> None:
@@ -103,5 +122,7 @@ def write_full_parameter_(param: torch.nn.Parameter, value: float) -> None:
 
 
 def precision_of(engine) -> str:
-    """bf16, fp16 or fp32: the precision ``engine`` trains in."""
-    return "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+    """bf16, fp16 or fp32: the precision ``engine`` trains in (bf16 by DeepSpeed's bf16 or by autocast)."""
+    if engine.bfloat16_enabled() or engine.torch_autocast_enabled():
+        return "bf16"
+    return "fp16" if engine.fp16_enabled() else "fp32"

@@ -40,7 +40,7 @@ from eva_fastclip.engine.contrastive_step import (
     held_memory,
     running_statistics,
 )
-from eva_fastclip.engine.evaluate import evaluate_model, format_results
+from eva_fastclip.engine.evaluate import EvalPrecision, evaluate_model, format_results, fp32_weights
 from eva_fastclip.engine.run_log import RunLog
 from eva_fastclip.engine.setup import initialize_engine, read_full_parameter, write_full_parameter_
 from eva_fastclip.engine.throughput import Throughput, throughput_of
@@ -139,6 +139,11 @@ class Trainer:
     @property
     def writer(self):
         return self.log.writer
+
+    @property
+    def eval_precision(self) -> EvalPrecision:
+        """eval.precision for this run's model (engine/evaluate.py)."""
+        return EvalPrecision.choose(self.cfg.eval.precision, self.plan.precision.name, "the model")
 
     # ---- the loop ------------------------------------------------------------------------------------
 
@@ -415,13 +420,17 @@ class Trainer:
         if self._evaluated is not None and self._evaluated["step"] == self.step:
             results = {k: v for k, v in self._evaluated.items() if k not in ("step", "epoch")}
         elif eval_cfg.zeroshot_dir or eval_cfg.imagenet_val or eval_cfg.retrieval_shards:
-            with self.watchdog.phase("evaluation"):
+            module, precision = self.engine.module, self.eval_precision
+            with (
+                self.watchdog.phase("evaluation"),
+                fp32_weights(module, precision, read_full_parameter) as model,
+            ):
                 results = evaluate_model(
-                    self.engine.module,
+                    model,
                     self.bundle,
                     eval_cfg,
                     device=self.device,
-                    dtype=self.input_dtype,
+                    dtype=precision.dtype,
                     collectives=Gatherer.from_process_group(),
                 )
             self._evaluated = {"step": self.step, "epoch": self.epoch, **results}
@@ -430,7 +439,7 @@ class Trainer:
         else:
             results = {}
         if final and results and self.is_main:
-            print(format_results(results), flush=True)
+            print(format_results(results, self.eval_precision), flush=True)
         throughput = {"throughput": self.throughput.summary()} if final and self.throughput.summary() else {}
         if final and self.is_main and (results or throughput):
             summary = {"step": self.step, **results, **throughput}

@@ -34,21 +34,18 @@ partition under ZeRO), as FusedLamb keeps it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from eva_fastclip.optim.lamb_passes import Fragment, Slot, apply_updates, multi_tensor, sweep_cpu
+from eva_fastclip.optim.step_guard import GuardedStep
 
-class Fragment(NamedTuple):
-    """Elements ``start .. start + length`` of a flat parameter belong to model tensor ``tensor``."""
-
-    tensor: int
-    start: int
-    length: int
+__all__ = ["Fragment", "Lamb", "attach_zero_partitions"]
 
 
-class Lamb(torch.optim.Optimizer):
+class Lamb(GuardedStep, torch.optim.Optimizer):
     """FusedLamb's update in PyTorch ops, trust ratio per model tensor; FusedLamb's arguments and defaults.
 
     ``max_grad_norm`` must stay 0: FusedLamb clips only with gradient norms passed to its ``step``, which
@@ -95,7 +92,8 @@ class Lamb(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.register_load_state_dict_pre_hook(_from_timm_lamb)
         self.eps_inside_sqrt = eps_inside_sqrt
-        self.lamb_coeffs: list[float] = []
+        self._last_ratios: tuple[torch.Tensor, torch.Tensor] | None = None  # the last call's, on the device
+        self._tables: dict[str, Any] = {}  # _tensor_table's, for the layout it was made for
         # set_fragments: id(flat parameter) -> (the parameter, its fragments by start)
         self._fragments: dict[int, tuple[torch.Tensor, list[Fragment]]] | None = None
         self._num_tensors = 0
@@ -145,11 +143,14 @@ class Lamb(torch.optim.Optimizer):
                     f"a Lamb group has max_grad_norm={group['max_grad_norm']}; it must be 0 (see Lamb)"
                 )
         stepped = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if self._fragments is None:  # every parameter is a tensor of its own: one at a time, no traffic
-            self.lamb_coeffs = []  # FusedLamb keeps the last step's coefficients only
-            for param, group in stepped:
-                whole = [Fragment(0, 0, param.numel())]
-                self.lamb_coeffs += self._step_fragments([(param, group, whole)], 1)
+        if not stepped:
+            return loss
+        go, scale = self._guarded_gradients([p.grad for p, _ in stepped])
+        if not go:
+            return loss
+        if self._fragments is None:  # every parameter is a tensor of its own: tensor k is the k-th stepped
+            items = [(p, group, [Fragment(k, 0, p.numel())]) for k, (p, group) in enumerate(stepped)]
+            self._step_fragments(items, len(items), grad_scale=scale)
             return loss
         items = []
         for param, group in stepped:
@@ -159,40 +160,55 @@ class Lamb(torch.optim.Optimizer):
                     "optimizer's parameters were replaced after attach_zero_partitions; call it again"
                 )
             items.append((param, group, self._fragments[id(param)][1]))
-        self.lamb_coeffs = self._step_fragments(items, self._num_tensors, self._reduce_over)
+        self._step_fragments(items, self._num_tensors, self._reduce_over)
         return loss
 
+    def _guarded_gradients(self, grads: list[torch.Tensor]) -> tuple[bool, torch.Tensor | None]:
+        """Under :meth:`guard_gradients` (the model's own tensors: no ZeRO partitions), the non-finite
+        guard and the clip (optim/step_guard.py): whether to step, and the clip coefficient (None: none),
+        which the step's first pass applies."""
+        if self._guard is None:
+            return True, None
+        if self._fragments is not None:
+            raise RuntimeError("Lamb clips whole tensors only: under ZeRO, DeepSpeed's optimizer clips")
+        scale = self._guard.inspect(grads)
+        self.overflow = not self._guard.finite()  # the step's one wait for the device: it decides the rest
+        return not self.overflow, scale
+
     def get_lamb_coeffs(self) -> list[float]:
-        """The trust ratios of the last step: one per tensor stepped, in order (FusedLamb's method; there
-        one per parameter, which is one per flat partition under ZeRO)."""
-        return list(self.lamb_coeffs)
+        """The trust ratios of the last step call: one per tensor stepped, in order (FusedLamb's method;
+        there one per parameter, which is one per flat partition under ZeRO). Reading them waits for the
+        device: the step itself never does."""
+        if self._last_ratios is None:
+            return []
+        ratios, stepped = self._last_ratios
+        return ratios[stepped].tolist()
 
     def _step_fragments(
         self,
         items: list[tuple[torch.Tensor, dict[str, Any], list[Fragment]]],
         num_tensors: int,
         reduce_over: Any = None,
-    ) -> list[float]:
-        """One step of ``items`` (parameter, group, fragments): moments and updates, the per-tensor sums of
-        squares (all-reduced over ``reduce_over``, the ranks that hold the fragments of a tensor between
-        them), each fragment moved with its tensor's trust ratio. Returns the ratios of the tensors here."""
-        device = (items[0][0] if items else self.param_groups[0]["params"][0]).device
+        grad_scale: torch.Tensor | None = None,
+    ) -> None:
+        """One step of ``items`` (parameter, group, fragments) in a few passes over all of them
+        (optim/lamb_passes.py: a multi-tensor op per pass on CUDA, one cache-sized sweep on a CPU): the
+        moments, ``u`` and the squared norms of every fragment's ``w`` and ``u``; those summed per tensor
+        (all-reduced over ``reduce_over``, the ranks that hold the fragments of a tensor between them)
+        into the trust ratios, one vector; then every fragment moved by ``w += -step_size * r * u``.
+        Nothing waits for the device: the ratios stay there (:meth:`get_lamb_coeffs` reads them).
+        ``grad_scale``: the clip coefficient, which the first pass applies to the gradients."""
+        slots = [self._slot(param, group, frags) for param, group, frags in items]
+        device = slots[0].w.device
+        if device.type == "cpu":
+            scale = None if grad_scale is None else float(grad_scale)
+            updates, squares = sweep_cpu(slots, self.eps_inside_sqrt, scale)
+        else:
+            updates, squares = multi_tensor(slots, self.eps_inside_sqrt, grad_scale)
+        index, high, low = self._tensor_table(items, num_tensors, device)
         # rows: squared norms of w and of u per tensor; float64 so that fragments add up exactly enough
         sums = torch.zeros(2, num_tensors, dtype=torch.float64, device=device)
-        high = torch.full((num_tensors,), float("inf"), dtype=torch.float64, device=device)
-        low = torch.zeros(num_tensors, dtype=torch.float64, device=device)
-        updates = []
-        for param, group, frags in items:
-            update = self._update(param, group)
-            updates.append(update)
-            if not frags:  # only padding of this rank's partition: nothing to measure, nothing to move
-                continue
-            weights, parts = _pieces(param, frags), _pieces(update, frags)
-            norms = torch.stack(torch._foreach_norm(weights + parts)).double().square_()
-            index = torch.tensor([f.tensor for f in frags], device=device)
-            sums.index_add_(1, index, norms.view(2, len(frags)))
-            high.index_fill_(0, index, group["max_coeff"])
-            low.index_fill_(0, index, group["min_coeff"])
+        sums.index_add_(1, index, squares.to(device))
         if reduce_over is not None:
             dist.all_reduce(sums, group=reduce_over)
         weight_norm, update_norm = sums.sqrt_().unbind(0)
@@ -201,25 +217,21 @@ class Lamb(torch.optim.Optimizer):
         ratio = torch.where(ratio > high, high, ratio)
         ratio = torch.where(ratio < low, low, ratio)
         ratio = torch.where((weight_norm != 0) & (update_norm != 0), ratio, torch.ones_like(ratio))
-        ratios = ratio.tolist()  # one transfer per step call; the steps below take Python scalars
-        stepped = sorted({f.tensor for _, _, frags in items for f in frags})
-        for (param, group, frags), update in zip(items, updates):
-            step_size = group["lr"]
-            if group["bias_correction"]:
-                beta1, beta2 = group["betas"]
-                step = self.state[param]["step"]
-                step_size *= (1.0 - beta2**step) ** 0.5 / (1.0 - beta1**step)
-            # padding (elements outside every fragment) is never moved
-            for weight, part, frag in zip(_pieces(param, frags), _pieces(update, frags), frags):
-                weight.add_(part, alpha=-step_size * ratios[frag.tensor])
-        return [ratios[t] for t in stepped]
+        self._last_ratios = (ratio, index.unique())  # FusedLamb keeps the last step's coefficients only
+        step_sizes = [self._step_size(param, group) for param, group, frags in items for _ in frags]
+        apply_updates(slots, updates, ratio[index], step_sizes)
 
-    def _update(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-        """Advance the moments of ``param`` by its gradient; return ``u`` (a new tensor)."""
-        grad = param.grad
-        if grad.is_sparse:
+    def _slot(self, param: torch.Tensor, group: dict[str, Any], frags: list[Fragment]) -> Slot:
+        """``param``'s arrays for this step, its step count advanced."""
+        if param.grad.is_sparse:
             raise RuntimeError("Lamb does not support sparse gradients")
-        grad = grad.to(param.dtype)  # FusedLamb takes half gradients for float weights too
+        state = self._state_of(param)
+        state["step"] += 1
+        grad = param.grad.to(param.dtype)  # FusedLamb takes half gradients for float weights too
+        settings = (*group["betas"], group["eps"], group["weight_decay"])
+        return Slot(param.detach(), grad, state["exp_avg"], state["exp_avg_sq"], frags, settings)
+
+    def _state_of(self, param: torch.Tensor) -> dict[str, Any]:
         state = self.state[param]
         if not state:
             state.update(step=0, exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param))
@@ -228,27 +240,31 @@ class Lamb(torch.optim.Optimizer):
                 f"Lamb state has keys {sorted(state)} but no per-tensor 'step': it was saved by an "
                 "optimizer other than FusedLamb, this Lamb or timm's Lamb, and cannot be continued"
             )
-        state["step"] += 1
-        beta1, beta2 = group["betas"]
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        exp_avg.lerp_(grad, 1.0 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-        if self.eps_inside_sqrt:
-            update = exp_avg_sq.add(group["eps"]).sqrt_()
-        else:
-            update = exp_avg_sq.sqrt().add_(group["eps"])
-        torch.div(exp_avg, update, out=update)
-        if group["weight_decay"]:
-            update.add_(param, alpha=group["weight_decay"])
-        return update
+        return state
 
+    def _step_size(self, param: torch.Tensor, group: dict[str, Any]) -> float:
+        """-lr, times sqrt(1 - beta2^t) / (1 - beta1^t) with bias correction: the step along ``r u``."""
+        step_size = group["lr"]
+        if group["bias_correction"]:
+            beta1, beta2 = group["betas"]
+            step = self.state[param]["step"]
+            step_size *= (1.0 - beta2**step) ** 0.5 / (1.0 - beta1**step)
+        return -step_size
 
-def _pieces(tensor: torch.Tensor, frags: list[Fragment]) -> list[torch.Tensor]:
-    """The fragments' views of ``tensor`` (the tensor itself where one fragment is all of it)."""
-    if len(frags) == 1 and frags[0].start == 0 and frags[0].length == tensor.numel():
-        return [tensor]
-    flat = tensor.view(-1)
-    return [flat.narrow(0, f.start, f.length) for f in frags]
+    def _tensor_table(self, items, num_tensors: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """The model tensor of every fragment, and each tensor's trust-ratio bounds, on the device: made
+        once per layout and bounds and kept, so that no step copies them there (a copy waits on CUDA)."""
+        frag_tensors = tuple(f.tensor for _, _, fs in items for f in fs)
+        bounds = tuple((f.tensor, g["max_coeff"], g["min_coeff"]) for _, g, fs in items for f in fs)
+        key = (frag_tensors, bounds, num_tensors, device)
+        if self._tables.get("key") != key:
+            high = torch.full((num_tensors,), float("inf"), dtype=torch.float64)
+            low = torch.zeros(num_tensors, dtype=torch.float64)
+            for tensor, max_coeff, min_coeff in bounds:
+                high[tensor], low[tensor] = max_coeff, min_coeff
+            index = torch.tensor(frag_tensors, dtype=torch.long)
+            self._tables = {"key": key, "table": tuple(t.to(device) for t in (index, high, low))}
+        return self._tables["table"]
 
 
 def attach_zero_partitions(optimizer: Lamb, tensors: Sequence[torch.Tensor]) -> bool:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from eva_fastclip.config import ConfigError, OptimConfig
+from eva_fastclip.optim.adamw import AdamW
 from eva_fastclip.optim.param_groups import parameter_groups
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ def build_optimizer(
     "per_zero_partition"`` it is DeepSpeed's FusedLamb on CUDA, and our ``Lamb`` left per flat partition
     elsewhere. A group with ``trust_ratio`` False (the temperature, unless ``optim.temperature_trust_ratio``)
     gets the trust-ratio bounds max_coeff = min_coeff = 1, which both read per group: an Adam step.
-    AdamW is DeepSpeed's FusedAdam on CUDA and PyTorch's fused AdamW elsewhere.
+    AdamW is PyTorch's fused AdamW on either device (it resumes DeepSpeed FusedAdam's state).
     """
     kind = ds["optimizer"]["type"]
     params = dict(ds["optimizer"]["params"])
@@ -71,13 +72,8 @@ def build_optimizer(
         optimizer = Lamb(groups, lr=lr, betas=betas, eps=eps, **lamb_args)
         _keep_trust_ratio_bounds(optimizer)
         return optimizer
-    if cuda:
-        from deepspeed.ops.adam import FusedAdam
-
-        _buildable_cuda_arch_list()
-        return FusedAdam(groups, lr=lr, betas=betas, eps=eps, adam_w_mode=True)
-    # PyTorch's fused AdamW kernel (CPU too): one pass over the weights instead of one per foreach op
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+    # PyTorch's fused AdamW kernel on either device: one pass over the weights (optim/adamw.py)
+    return AdamW(groups, lr=lr, betas=betas, eps=eps)
 
 
 def base_cuda_archs(arch_list: str) -> str:

@@ -92,13 +92,15 @@ def resolve_deepspeed_config(
         prefix="optimizer.params.",
     )
 
-    apply_precision(ds, precision or resolve_precision(cfg, ds, source=source, hardware=hardware))
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if stage not in (0, 1, 2):
         raise ConfigError(
             f"{source} sets zero_optimization.stage={stage}; eva_fastclip supports stages 0-2 "
             "(stage 3 partitions the weights that evaluation and the losses read whole)"
         )
+    apply_precision(
+        ds, precision or resolve_precision(cfg, ds, source=source, hardware=hardware), source=source
+    )
     ds.setdefault("zero_allow_untested_optimizer", True)  # timm's LAMB on CPU is "untested" to DeepSpeed
     return ds
 
@@ -129,7 +131,7 @@ def _fill_or_check(
 
 
 def autocast_dtype(ds: dict[str, Any]) -> torch.dtype:
-    """The dtype DeepSpeed keeps the module in (inputs are cast to it)."""
+    """The dtype DeepSpeed keeps the module in (inputs are cast to it): fp32 under autocast."""
     if ds.get("bf16", {}).get("enabled", False):
         return torch.bfloat16
     if ds.get("fp16", {}).get("enabled", False):

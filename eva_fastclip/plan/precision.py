@@ -197,16 +197,64 @@ def choose_precision(requested: str, in_json: str, hardware: Hardware, *, source
     return PrecisionChoice(explicit, f"{origin} asks for {explicit} ({where})", warning)
 
 
-def apply_precision(ds: dict[str, Any], choice: PrecisionChoice) -> None:
-    """Write the choice into the DeepSpeed JSON (in place): one section enabled, the other off."""
+def apply_precision(
+    ds: dict[str, Any], choice: PrecisionChoice, *, source: str = "the DeepSpeed JSON"
+) -> None:
+    """Write the choice into the DeepSpeed JSON (in place): one section enabled, the other off; bf16 by
+    autocast where the JSON's ``torch_autocast`` section asks for it (:func:`bf16_by_autocast`)."""
+    autocast = bf16_by_autocast(ds, source) and choice.name == "bf16"
     for name in ("bf16", "fp16"):
         section = ds.get(name)
         section = dict(section) if isinstance(section, dict) else {}
-        enabled = choice.name == name
+        enabled = choice.name == name and not autocast
         if enabled and name == "fp16":
             section = {**FP16_DEFAULTS, **section}
         section["enabled"] = enabled
         ds[name] = section
+    if AUTOCAST in ds:
+        ds[AUTOCAST] = {**ds[AUTOCAST], "enabled": autocast, "dtype": "bfloat16"}
+
+
+#: DeepSpeed's section for torch.autocast over fp32 weights
+AUTOCAST = "torch_autocast"
+
+
+def bf16_by_autocast(ds: dict[str, Any], source: str) -> bool:
+    """Whether bf16 runs as OpenCLIP's amp_bf16 does: fp32 weights in the module, the forward under
+    ``torch.autocast(bfloat16)``, the optimizer stepping the weights themselves (DeepSpeed's
+    ``torch_autocast`` section), rather than DeepSpeed's bf16: a bf16 module beside fp32 master copies.
+
+    ``"torch_autocast": {"enabled": "auto"}`` (or true) asks for it, at ZeRO stage 0 only: with the whole
+    optimizer state on every rank nothing needs a copy of the weights, so the step after the backward is
+    the optimizer's alone (engine/setup.py); ZeRO-1/2 keep DeepSpeed's bf16, whose bf16 module is what
+    makes them smaller. fp16 always runs as DeepSpeed's fp16 (its loss scaling).
+    """
+    section = ds.get(AUTOCAST)
+    if section is None:
+        return False
+    enabled = section.get("enabled", False) if isinstance(section, dict) else section
+    if enabled not in (True, False, "auto"):
+        raise ConfigError(f'{source}: {AUTOCAST}.enabled must be true, false or "auto", got {enabled!r}')
+    dtype = section.get("dtype", "bfloat16") if isinstance(section, dict) else "bfloat16"
+    if enabled is not False and dtype not in ("bfloat16", "bf16"):
+        raise ConfigError(
+            f"{source}: {AUTOCAST}.dtype={dtype!r}: eva_fastclip runs autocast in bfloat16 only (fp16 needs "
+            f'loss scaling: use the "fp16" section)'
+        )
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if enabled is True and stage != 0:
+        raise ConfigError(
+            f"{source} enables {AUTOCAST} at ZeRO stage {stage}: autocast over fp32 weights is for stage "
+            '0 (docs/configuration.md, Precision); write "enabled": "auto" to use DeepSpeed\'s bf16 at '
+            "stages 1-2"
+        )
+    return enabled is not False and stage == 0
+
+
+def runs_by_autocast(ds: dict[str, Any]) -> bool:
+    """Whether a resolved DeepSpeed JSON trains by autocast over fp32 weights."""
+    section = ds.get(AUTOCAST)
+    return isinstance(section, dict) and section.get("enabled") is True
 
 
 def for_resume(

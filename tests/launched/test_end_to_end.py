@@ -89,12 +89,15 @@ def run(tmp_path_factory, rank_pool):
     # evaluated at steps 20 (during the first run), 30 (its end) and 40 (during the resumed run, reused at
     # its end); 160 zero-shot images are 27 batches of 6 (14 on rank 0, 13 on rank 1), 128 retrieval pairs
     # 22 (the last of 2), the ImageNet folder 1; keep_checkpoints=3: every evaluated step's checkpoint stays
+    # in fp32 whatever the machine trains in (bf16 where its CPU computes bf16 natively): the one-rank
+    # evaluation and clip_benchmark's below evaluate the checkpoint's fp32 weights in fp32
     evaluation = [
         "model.name=test-vit-xs",
         f"eval.zeroshot_dir={data / 'zeroshot'}",
         f'eval.retrieval_shards=["{data / "val"}"]',
         f"eval.imagenet_val={imagenet}",
         "eval.batch_size=6",
+        "eval.precision=fp32",
     ]
     common = [
         "train",
@@ -199,6 +202,8 @@ def test_eval_command_on_the_export_and_the_checkpoint(run, capsys):
         f"eval.zeroshot_dir={data / 'zeroshot'}",
         "--set",
         f'eval.retrieval_shards=["{data / "val"}"]',
+        "--set",
+        "eval.precision=fp32",  # an export records no training precision: fp32 for the folder too
     ]
     folder = run["out"] / "checkpoints" / "step_00000040"
     assert main(["eval", *args, "--checkpoint", str(folder)]) == 0
@@ -211,8 +216,9 @@ def test_eval_command_on_the_export_and_the_checkpoint(run, capsys):
     assert main(["eval", *args, "--checkpoint", str(run["tmp"] / "for_eval")]) == 0
     from_folder = capsys.readouterr().out
     # the same weights give the same figures, whichever form they come in
-    assert from_export.splitlines()[-6:] == from_checkpoint.splitlines()[-6:]
-    assert from_folder.splitlines()[-6:] == from_checkpoint.splitlines()[-6:]
+    assert from_checkpoint.splitlines()[-1] == "evaluated in fp32 (eval.precision=fp32)"
+    assert from_export.splitlines()[-7:] == from_checkpoint.splitlines()[-7:]
+    assert from_folder.splitlines()[-7:] == from_checkpoint.splitlines()[-7:]
 
 
 def one_rank_evaluation(folder: Path, sets: list[str]) -> dict:
