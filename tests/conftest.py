@@ -53,6 +53,8 @@ SLOW = {
     "test_bench_convergence::test_plot_is_written",
     "test_benchmarks::test_accumulation_benchmark_runs_every_side_on_the_same_batch",
     "test_cached_step::test_four_micro_batches_take_the_step_of_one",
+    "test_compiled::test_compiled_towers_take_the_eager_steps_resume_either_way_and_export",
+    "test_compiled::test_compiled_graphs_capture_every_setting",
     "test_corrupt_data::test_a_resumed_run_logs_the_skips_of_the_whole_run",
     "test_corrupt_data::test_an_epoch_delivers_every_good_sample_and_counts_every_bad_one",
     "test_corrupt_data::test_skip_counts_go_on_after_a_resume",
@@ -104,6 +106,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 LONGEST_IN_PROCESS = {
     "tests/test_tune.py": 110,
     "tests/test_cached_step.py": 105,
+    "tests/test_compiled.py": 60,  # inductor's first compile, when its cache is cold
     "tests/test_resume.py": 55,
     "tests/test_nonfinite.py": 40,
     "tests/test_benchmarks.py": 31,

@@ -139,6 +139,7 @@ RULES: dict[str, Rule] = {
     "eval.workers": Rule(CHANGE),
     "eval.precision": Rule(CHANGE),
     "train.compile": Rule(CHANGE),  # the same weights and state, compiled or not
+    "train.compile_backend": Rule(CHANGE),
     "deepspeed.optimizer.type": Rule(FIXED, "the saved optimizer state is that optimizer's"),
     "deepspeed.zero_optimization.stage": Rule(FIXED, "the saved optimizer state is laid out for that stage"),
     "deepspeed.torch_autocast.enabled": Rule(

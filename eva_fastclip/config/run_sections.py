@@ -60,6 +60,9 @@ class TrainConfig:
     compile: bool = False
     """torch.compile the vision and text towers (engine/compiled.py): the first steps take the compile's
     time, then each step is faster; a model or setting that cannot compile stops the run before step 1."""
+    compile_backend: str = "inductor"
+    """torch.compile's backend with train.compile (OpenCLIP's --torchcompile-backend): inductor generates
+    fused kernels; aot_eager traces the same graphs without code generation (a quick check)."""
     global_batch: int | None = None
     """Pairs per optimizer step over all ranks: the recipe, the same on any number of ranks; the per-rank
     share, the micro-batch and the accumulation are derived from it (batch_layout). null: the batch is

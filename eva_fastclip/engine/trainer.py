@@ -33,6 +33,7 @@ import torch.distributed as dist
 from eva_fastclip.checkpointing.checkpointer import Checkpointer
 from eva_fastclip.data import TrainLoader
 from eva_fastclip.data.sample_keys import keys_for_indices
+from eva_fastclip.engine.compiled import CompileWatch, compile_towers, eagerly
 from eva_fastclip.engine.contrastive_step import (
     CachedStep,
     MicroBatch,
@@ -232,6 +233,7 @@ class Trainer:
             "loss": step_loss,
             "step_applied": float(engine.was_step_applied()),
             "loss_finite": float(loss_finite),
+            **(self.compile_watch.step_ended() if self.compile_watch else {}),
         }
 
     def _end_step(self, metrics: dict[str, float]) -> tuple[bool, bool]:
@@ -297,6 +299,9 @@ class Trainer:
         # BatchNorm's running statistics (RN towers), which a bad step must leave as they were
         stats = running_statistics(self.engine.module)
         self.bad_steps = BadSteps(self.cfg.train.max_skipped_steps, stats, is_main=self.is_main)
+        if self.cfg.train.compile:  # the towers compiled in place (engine/compiled.py)
+            compile_towers(self.engine.module, self.cfg.train.compile_backend)
+        self.compile_watch = CompileWatch() if self.cfg.train.compile else None
 
     # ---- pieces --------------------------------------------------------------------------------------
 
@@ -421,9 +426,10 @@ class Trainer:
             results = {k: v for k, v in self._evaluated.items() if k not in ("step", "epoch")}
         elif eval_cfg.zeroshot_dir or eval_cfg.imagenet_val or eval_cfg.retrieval_shards:
             module, precision = self.engine.module, self.eval_precision
-            with (
+            with (  # the towers eagerly (engine/compiled.py): an evaluation's batch sizes vary
                 self.watchdog.phase("evaluation"),
                 fp32_weights(module, precision, read_full_parameter) as model,
+                eagerly(),
             ):
                 results = evaluate_model(
                     model,

@@ -115,7 +115,7 @@ def check_inputs(
     output folder and an earlier run's checkpoints in it (or the ``--resume`` checkpoint), and (unless
     ``train_shards`` is False: a loader given to the Trainer) the training shards. Files only: the
     lengths are checked once the data's sizes are known (:func:`check_schedule`)."""
-    problems = check_model(cfg) + check_image_decode(cfg) + check_eval(cfg)
+    problems = check_model(cfg) + check_image_decode(cfg) + check_compile(cfg) + check_eval(cfg)
     problems += check_output_dir(cfg.train.output_dir)
     if resume is None:
         problems += check_earlier_run(cfg.train.output_dir)
@@ -237,6 +237,19 @@ def check_image_decode(cfg: ExperimentConfig) -> list[Problem]:
             "has none (torch.cuda.is_available() is False): set data.image_decode=workers",
         )
     ]
+
+
+def check_compile(cfg: ExperimentConfig) -> list[Problem]:
+    """train.compile needs torch.compile on this Python, and on a CPU a C++ compiler (engine/compiled.py);
+    a tower that fails to compile at its first call stops the run there instead."""
+    if not cfg.train.compile:
+        return []
+    from eva_fastclip.engine.compiled import compile_problem
+
+    problem = compile_problem(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    if problem is None:
+        return []
+    return [Problem("train.compile", f"{problem}: set train.compile=false to train the towers eagerly")]
 
 
 def check_eval(cfg: ExperimentConfig) -> list[Problem]:

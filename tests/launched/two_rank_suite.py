@@ -41,6 +41,7 @@ PIECES = {
     "lamb_zero": "test_lamb_zero_two_ranks:two_ranks",
     "accumulation": "accumulation_ranks:two_ranks",
     "cached_step": "cached_step_ranks:two_ranks",
+    "compiled": "test_compiled_two_ranks:compiled",
     "loss_benchmark": "test_bench_loss_ranks:two_ranks",
     "tune_out_of_memory": "test_tune_two_ranks:agree_out_of_memory",
 }
