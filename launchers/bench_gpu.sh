@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The training-step benchmark of docs/benchmarks.md on one GPU: our DeepSpeed step (LAMB, then AdamW) against
-# OpenCLIP's own step, at a batch a GPU is meant for, with both sides' model TFLOP/s and MFU (one FLOP count, the
-# training log's: docs/benchmarks.md, Throughput and MFU); then (BENCH_ACCUM=0 skips it) the cost of the contrastive
+# The training-step benchmark of docs/benchmarks.md on one GPU: our DeepSpeed step (LAMB, then AdamW; ZeRO-0 with bf16
+# by autocast, eager and with train.compile, then ZeRO-1 with DeepSpeed's bf16) against OpenCLIP's own step, eager and
+# with --torchcompile, at a batch a GPU is meant for, with both sides' model TFLOP/s, MFU, the step after the backward
+# and a profiler trace of each contestant (one FLOP count, the training log's: docs/benchmarks.md, Throughput and
+# MFU); then (BENCH_ACCUM=0 skips it) the cost of the contrastive
 # batch: the global batch ACCUM_BATCH in 4 micro-batches, micro and global (cached) accumulation against one
 # micro-batch and OpenCLIP's own --accum-freq 4 step; then (BENCH_DATA=0 skips it) benchmarks.data_loader with
 # --device cuda: both loaders feeding the GPU, and ours with the JPEGs decoded there (data.image_decode=gpu); then
@@ -21,12 +23,20 @@ if ! python3 -c "import deepspeed, open_clip, webdataset" 2>/dev/null; then
   export PYTHONPATH=$PWD:$HOME/site
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || echo "bench_gpu.sh: no nvidia-smi, no GPU to report"
-for optim in lamb adamw; do
-  python3 -m benchmarks.speed --model "${MODEL:-ViT-B-16}" --batch-size "${BATCH:-128}" \
-    --steps "${STEPS:-20}" --warmup 5 --deepspeed-config "ds_configs/zero1_bf16_${optim}.json" \
-    --output "$out/speed_${optim}_gpu.json" > "$out/speed_${optim}_gpu.log" 2>&1 || { tail -40 "$out/speed_${optim}_gpu.log"; exit 1; }
-done
-for optim in lamb adamw; do echo "== ds_configs/zero1_bf16_${optim}.json"; tail -13 "$out/speed_${optim}_gpu.log"; done
+# our default layout (ZeRO-0, bf16 by autocast) with LAMB and AdamW, eager and compiled (BENCH_COMPILE=0: eager
+# only), against OpenCLIP eager and with --torchcompile; then ZeRO-1 with DeepSpeed's bf16 (BENCH_ZERO1=0 skips it)
+speed() {  # NAME JSON [options]: one benchmarks.speed run, its table printed
+  local name=$1 json=$2; shift 2
+  python3 -m benchmarks.speed --model "${MODEL:-ViT-B-16}" --batch-size "${BATCH:-128}" --steps "${STEPS:-20}" \
+    --warmup 5 --deepspeed-config "$json" --precision bf16 --trace-dir "$out/traces_$name" "$@" \
+    --output "$out/speed_${name}_gpu.json" > "$out/speed_${name}_gpu.log" 2>&1 || { tail -40 "$out/speed_${name}_gpu.log"; exit 1; }
+  echo "== $json $*"; sed -n '/^contestant/,$p' "$out/speed_${name}_gpu.log"
+}
+compile=(); [ "${BENCH_COMPILE:-1}" = 1 ] && compile=(--compile)
+for optim in lamb adamw; do speed "$optim" "ds_configs/zero0_${optim}.json" "${compile[@]}"; done
+if [ "${BENCH_ZERO1:-1}" = 1 ]; then
+  for optim in lamb adamw; do speed "zero1_${optim}" "ds_configs/zero1_bf16_${optim}.json"; done
+fi
 if [ "${BENCH_ACCUM:-1}" = 1 ]; then
   python3 -m benchmarks.accumulation --accumulate 4 --model "${MODEL:-ViT-B-16}" --batch-size "${ACCUM_BATCH:-512}" \
     --steps "${ACCUM_STEPS:-10}" --warmup 2 --output "$out/accumulation_gpu.json" > "$out/accumulation_gpu.log" 2>&1 \

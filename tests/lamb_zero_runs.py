@@ -18,6 +18,8 @@ from eva_fastclip.optim.schedule import build_scheduler
 
 STEPS = 3
 RTOL = 1e-6
+#: the multi-tensor step against today's, both in float64
+REPLAY_RTOL = 1e-12
 #: name -> (ZeRO stage, precision, extra DeepSpeed settings)
 CONFIGS = {
     "zero0-fp32": (0, "fp32", {}),
@@ -83,12 +85,14 @@ def deepspeed_json(name: str, world: int) -> dict:
 
 
 def run(name: str, world: int, checkpoint_dir: str | None = None, trust_ratio: str = "per_tensor"):
-    """STEPS engine steps of configuration ``name``; the full state after each. With ``checkpoint_dir``,
-    the engine saves after step 2 and loads it back before step 3 (the fragments must survive a load)."""
+    """STEPS engine steps of configuration ``name``; the full state after each, and the float64 replays of
+    every optimizer call (:func:`replay_in_float64`). With ``checkpoint_dir``, the engine saves after step
+    2 and loads it back before step 3 (the fragments must survive a load)."""
     model = LinearLoss()
     ds = deepspeed_json(name, world)
     engine = initialize_engine(model, experiment(trust_ratio), ds, total_steps=10)
     dtype = torch.bfloat16 if CONFIGS[name][1] == "bf16" else torch.float32
+    replays = replay_in_float64(engine.basic_optimizer)
     states = []
     for step in range(1, STEPS + 1):
         if checkpoint_dir is not None and step == STEPS:
@@ -102,7 +106,67 @@ def run(name: str, world: int, checkpoint_dir: str | None = None, trust_ratio: s
         for p in model.parameters()
         if hasattr(p, "_hp_mapping")
     )
-    return {"states": states, "split": split}
+    return {"states": states, "split": split, "replays": replays}
+
+
+#: the optimizer's group settings a replay copies
+GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "max_coeff", "min_coeff")
+
+
+def replay_in_float64(optimizer) -> list[float]:
+    """Make every call of ``optimizer.step`` (DeepSpeed calls it once per parameter group under ZeRO, with
+    the flat partitions and their fragments) also run in float64 from the same inputs, once by today's
+    Lamb (lamb_reference.TodaysLamb: a tensor and a fragment at a time) and once each way of the
+    multi-tensor step (the CPU sweep and CUDA's multi-tensor ops); each call appends the largest
+    difference between them to the returned list, relative to each tensor's norm (weights, moments)."""
+    errors: list[float] = []
+    step = optimizer.step
+
+    def replayed(*args, **kwargs):
+        inputs = [
+            (p, {k: g[k] for k in GROUP_KEYS}, {k: v for k, v in optimizer.state.get(p, {}).items()})
+            for g in optimizer.param_groups
+            for p in g["params"]
+            if p.grad is not None
+        ]
+        copies = {p: (p.detach().double().clone(), p.grad.double().clone(), state) for p, _, state in inputs}
+        out = step(*args, **kwargs)
+        runs = [_replay(optimizer, inputs, copies, kind) for kind in ("today", "sweep", "multi")]
+        for other in runs[1:]:
+            errors.append(max(relative_error(a, b) for a, b in zip(other, runs[0])))
+        return out
+
+    optimizer.step = replayed
+    return errors
+
+
+def _replay(optimizer, inputs, copies, kind: str) -> list[torch.Tensor]:
+    """One optimizer call again in float64 by ``kind``: its weights and moments afterwards."""
+    from lamb_reference import TodaysLamb
+
+    from eva_fastclip.optim.lamb import Lamb
+
+    params = {p: nn.Parameter(copies[p][0].clone()) for p, _, _ in inputs}
+    for p, (_, grad, _) in copies.items():
+        params[p].grad = grad.clone()
+    cls = TodaysLamb if kind == "today" else Lamb
+    fresh = cls([{"params": [params[p]], **settings} for p, settings, _ in inputs], lr=0.01)
+    fresh.eps_inside_sqrt, fresh.multi_tensor_on_cpu = optimizer.eps_inside_sqrt, kind == "multi"
+    for p, _, state in inputs:
+        if state:
+            fresh.state[params[p]] = {
+                "step": state["step"],
+                **{k: state[k].double().clone() for k in ("exp_avg", "exp_avg_sq")},
+            }
+    if optimizer._fragments is not None:
+        frags = [(params[p], optimizer._fragments[id(p)][1]) for p, _, _ in inputs]
+        fresh.set_fragments(frags, optimizer._num_tensors, process_group=optimizer._reduce_over)
+    fresh.step()
+    return [
+        t
+        for p, _, _ in inputs
+        for t in (params[p], *(fresh.state[params[p]][k] for k in ("exp_avg", "exp_avg_sq")))
+    ]
 
 
 def reference() -> list[dict[str, tuple[torch.Tensor, ...]]]:
@@ -145,3 +209,10 @@ def assert_per_tensor(result, expected, label: str, bf16: bool) -> None:
             # the module holds the masters (rounded to bf16 where it runs in bf16)
             rounded = master.to(torch.bfloat16 if bf16 else torch.float32).double()
             assert torch.equal(module, rounded), f"{label} step {step} {name}: module weight not the master's"
+
+
+def assert_replays_agree(result: dict, label: str) -> None:
+    """Every replayed call: the multi-tensor step within REPLAY_RTOL of today's, in float64."""
+    replays = result["replays"]
+    assert replays, f"{label}: no optimizer call was replayed"
+    assert max(replays) <= REPLAY_RTOL, f"{label}: the multi-tensor step differs by {max(replays):.2e}"

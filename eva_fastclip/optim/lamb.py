@@ -52,6 +52,9 @@ class Lamb(GuardedStep, torch.optim.Optimizer):
     DeepSpeed never does (it clips by ``gradient_clipping`` before the step), so it would fail at once.
     """
 
+    #: run CUDA's multi-tensor passes on a CPU too (tests hold both ways of walking memory to one result)
+    multi_tensor_on_cpu = False
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
@@ -200,11 +203,12 @@ class Lamb(GuardedStep, torch.optim.Optimizer):
         ``grad_scale``: the clip coefficient, which the first pass applies to the gradients."""
         slots = [self._slot(param, group, frags) for param, group, frags in items]
         device = slots[0].w.device
-        if device.type == "cpu":
+        multi = device.type != "cpu" or self.multi_tensor_on_cpu
+        if multi:
+            updates, squares = multi_tensor(slots, self.eps_inside_sqrt, grad_scale)
+        else:
             scale = None if grad_scale is None else float(grad_scale)
             updates, squares = sweep_cpu(slots, self.eps_inside_sqrt, scale)
-        else:
-            updates, squares = multi_tensor(slots, self.eps_inside_sqrt, grad_scale)
         index, high, low = self._tensor_table(items, num_tensors, device)
         # rows: squared norms of w and of u per tensor; float64 so that fragments add up exactly enough
         sums = torch.zeros(2, num_tensors, dtype=torch.float64, device=device)
@@ -219,7 +223,7 @@ class Lamb(GuardedStep, torch.optim.Optimizer):
         ratio = torch.where((weight_norm != 0) & (update_norm != 0), ratio, torch.ones_like(ratio))
         self._last_ratios = (ratio, index.unique())  # FusedLamb keeps the last step's coefficients only
         step_sizes = [self._step_size(param, group) for param, group, frags in items for _ in frags]
-        apply_updates(slots, updates, ratio[index], step_sizes)
+        apply_updates(slots, updates, ratio[index], step_sizes, multi)
 
     def _slot(self, param: torch.Tensor, group: dict[str, Any], frags: list[Fragment]) -> Slot:
         """``param``'s arrays for this step, its step count advanced."""

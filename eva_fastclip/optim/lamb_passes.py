@@ -148,16 +148,20 @@ def multi_tensor(
 
 
 def apply_updates(
-    slots: list[Slot], updates: list[torch.Tensor], ratios: torch.Tensor, step_sizes: list[float]
+    slots: list[Slot],
+    updates: list[torch.Tensor],
+    ratios: torch.Tensor,
+    step_sizes: list[float],
+    multi: bool,
 ) -> None:
     """``w += step_size * r * u`` for every fragment (``ratios``, ``step_sizes``: one each, in slot
-    order); padding (elements outside every fragment) is never moved. On CPU the ratios are read (no wait
-    there) and each fragment is one ``add_``; elsewhere one multi-tensor op keeps them on the device."""
+    order); padding (elements outside every fragment) is never moved. ``multi``: one multi-tensor op that
+    keeps the ratios on the device; else (CPU) the ratios are read (no wait there), one ``add_`` each."""
     weights = [p for slot in slots for p in pieces(slot.w, slot.fragments)]
     parts = [p for slot, u in zip(slots, updates) for p in pieces(u, slot.fragments)]
     if not weights:
         return
-    if ratios.device.type == "cpu":
+    if not multi:
         for weight, part, ratio, step_size in zip(weights, parts, ratios.tolist(), step_sizes):
             weight.add_(part, alpha=step_size * ratio)
         return
