@@ -14,6 +14,7 @@ An explicit choice is kept, with a warning where the device only emulates it.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import platform
 from dataclasses import dataclass
@@ -249,6 +250,16 @@ def bf16_by_autocast(ds: dict[str, Any], source: str) -> bool:
             "stages 1-2"
         )
     return enabled is not False and stage == 0
+
+
+def at_stage(ds: dict[str, Any], stage: int) -> dict[str, Any]:
+    """A copy of the DeepSpeed JSON ``ds`` at ZeRO ``stage``; at stage 0 with bf16 by autocast unless the
+    JSON has a ``torch_autocast`` section of its own (what ``eva-fastclip tune`` probes and writes)."""
+    ds = json.loads(json.dumps(ds))
+    ds.setdefault("zero_optimization", {})["stage"] = stage
+    if stage == 0:
+        ds.setdefault(AUTOCAST, {"enabled": "auto", "dtype": "bfloat16"})
+    return ds
 
 
 def runs_by_autocast(ds: dict[str, Any]) -> bool:

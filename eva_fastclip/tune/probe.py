@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from eva_fastclip.config import ExperimentConfig
+from eva_fastclip.plan.precision import at_stage
 from eva_fastclip.tensor_memory import StorageTracker
 from eva_fastclip.tune.layouts import Candidate
 
@@ -109,9 +110,8 @@ def layout_config(
 
 
 def stage_config(ds: dict[str, Any], stage: int) -> dict[str, Any]:
-    ds = copy.deepcopy(ds)
-    ds.setdefault("zero_optimization", {})["stage"] = stage
-    return ds
+    """The DeepSpeed JSON a probe of ``stage`` runs (bf16 by autocast at stage 0: plan/precision.py)."""
+    return at_stage(ds, stage)
 
 
 @contextlib.contextmanager

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from eva_fastclip.config import ConfigError, ExperimentConfig
+from eva_fastclip.plan.precision import at_stage, bf16_by_autocast
 from eva_fastclip.reliability.process import local_world_size, on_rank0
 from eva_fastclip.tune import report
 from eva_fastclip.tune.data_search import DATA_WAIT_TARGET, DataSearch
@@ -191,6 +192,8 @@ class Tuner:
             activations=traced["activations"],
             device="cuda" if self.opts.estimate_only else self.device.type,
             largest_tensor=traced["largest_tensor"],
+            autocast_at_zero0=self.precision.name == "bf16"
+            and bf16_by_autocast(at_stage(self.ds_input, 0), self.source),
         )
         stages = (0,) if self.world_size == 1 else ZERO_STAGES  # one rank: ZeRO partitions nothing
         if self.world_size == 1:
@@ -397,8 +400,7 @@ class Tuner:
                 f"(trials in {report.trials_path(self.opts.output)})"
             )
         ds_out = report.ds_path(self.opts.output)
-        ds_json = json.loads(json.dumps(self.ds))
-        ds_json.setdefault("zero_optimization", {})["stage"] = chosen.candidate.zero_stage
+        ds_json = at_stage(self.ds, chosen.candidate.zero_stage)  # as probed (bf16 by autocast at stage 0)
         report.write_json(ds_out, ds_json)
         record = self._record(chosen, data)
         config = report.tuned_config(self.raw, chosen, str(ds_out), data, record)
