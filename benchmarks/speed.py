@@ -1,6 +1,6 @@
 """Training-step speed: our DeepSpeed step against OpenCLIP's own step, with and without 50% masking.
 
-    python -m benchmarks.speed [--model ViT-B-16] [--batch-size 8] [--steps 5] [--warmup 2]
+    python -m benchmarks.speed [--model ViT-B-16] [--batch-size 8] [--steps 9] [--warmup 2]
                                [--precision auto|bf16|fp32] [--compile] [--trace-dir DIR]
 
 The contestants (benchmarks/step_contestants.py), (ours, openclip) x (patch dropout 0.0, 0.5), and with
@@ -11,11 +11,13 @@ fp32 instead of timing emulated bf16. Each is warmed up, then the timed steps ar
 (one step of each contestant per round, the starting contestant rotating), so a slow phase of the machine
 hits all alike. Reported: the median step time of each, samples/s, its phases (forward, backward, and
 everything after the backward, in seconds and as a share of the step), and the ratios: ours over OpenCLIP
-at equal masking, compiled against eager, each side's speed-up from masking, and OpenCLIP's step after the
-backward over ours. On CPU only the ratios mean anything. Both sides' TFLOP/s and MFU use one FLOP count
-per masking, the training log's (eva_fastclip/models/flops.py) and its peak table
-(eva_fastclip/engine/throughput.py); ``--peak-tflops`` gives the peak elsewhere. ``--trace-dir`` writes a
-``torch.profiler`` trace of one more step of each contestant (chrome://tracing, Perfetto).
+at equal masking (of the medians, and paired: the median over rounds of the two steps' ratio within a
+round, which a slow phase of the machine cannot tilt), compiled against eager, each side's speed-up from
+masking, and OpenCLIP's step after the backward over ours. On CPU only the ratios mean anything. Both
+sides' TFLOP/s and MFU use one FLOP count per masking, the training log's (eva_fastclip/models/flops.py)
+and its peak table (eva_fastclip/engine/throughput.py); ``--peak-tflops`` gives the peak elsewhere.
+``--trace-dir`` writes a ``torch.profiler`` trace of one more step of each contestant (chrome://tracing,
+Perfetto).
 
 - **ours**: ``Trainer.train_step`` — the DeepSpeed engine of ``--deepspeed-config`` (default: ZeRO-0 with
   LAMB, bf16 by autocast over fp32 weights: ``ds_configs/zero0_lamb.json``), our loss in fp32,
@@ -117,7 +119,7 @@ def contestant_name(side: str, mask: float, compiled: bool = False) -> str:
 def run_speed_benchmark(
     model: str = "ViT-B-16",
     batch_size: int = 8,
-    steps: int = 5,
+    steps: int = 9,
     warmup: int = 2,
     ds_config: str = DEFAULT_DS_CONFIG,
     output: str | Path | None = "runs/bench/speed.json",
@@ -312,6 +314,9 @@ def speed_ratios(by_name: dict[str, dict[str, Any]]) -> dict[str, float]:
         m = f"mask{mask:g}"
         ours, oc = contestant_name("ours", mask), contestant_name("openclip", mask)
         ratios[f"ours_over_openclip_{m}"] = med[oc] / med[ours]
+        # paired: each round's two steps ran side by side; a slow phase of the machine cancels out
+        rounds = zip(by_name[ours]["step_times_s"], by_name[oc]["step_times_s"])
+        ratios[f"paired_ours_over_openclip_{m}"] = statistics.median(theirs / mine for mine, theirs in rounds)
         compute = {n: phases[n]["forward"] + phases[n]["backward"] for n in (ours, oc)}
         ratios[f"compute_ours_over_openclip_{m}"] = compute[oc] / compute[ours]
         after = {n: phases[n]["after_backward"] for n in (ours, oc)}
@@ -383,6 +388,7 @@ def format_report(results: dict[str, Any]) -> str:
     lines.append("speed ratio (>1: the first faster)   mask 0   mask 0.5")
     rows = [
         ("ours / openclip, whole step", "ours_over_openclip"),
+        ("  the same, paired by round", "paired_ours_over_openclip"),
         ("ours / openclip, forward+backward", "compute_ours_over_openclip"),
         ("ours / openclip, after the backward", "after_backward_ours_over_openclip"),
         ("ours compiled / openclip", "ours_compiled_over_openclip"),
@@ -404,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.speed", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="ViT-B-16", help="open_clip architecture for both contestants")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--steps", type=int, default=5, help="timed rounds (one step of each contestant each)")
+    p.add_argument("--steps", type=int, default=9, help="timed rounds (one step of each contestant each)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per contestant first")
     p.add_argument("--deepspeed-config", default=DEFAULT_DS_CONFIG, help="our engine's JSON")
     p.add_argument(

@@ -21,6 +21,16 @@ TINY = (
     "eval.retrieval_shards=null",
     "train.precision=fp32",
 )
+#: the compiled runs' (tests/test_compiled.py, tests/launched/test_compiled_two_ranks.py): 50% masking,
+#: 8 pairs a rank, a step logged each step, a fast lr
+MASKED = (
+    *TINY,
+    "model.patch_dropout=0.5",
+    "train.batch_size=8",
+    "train.log_every_steps=1",
+    "optim.warmup_steps=1",
+    "optim.lr=1e-2",
+)
 
 
 def toy_config(output_dir: Path | str, *sets: str, base: Sequence[str] = TINY) -> ExperimentConfig:

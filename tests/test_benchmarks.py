@@ -53,6 +53,8 @@ def test_speed_benchmark_reports_all_contestants_and_phases(tmp_path):
         after = oc["phases_median_s"]["after_backward"] / ours["phases_median_s"]["after_backward"]
         assert ratios[f"after_backward_ours_over_openclip_{m}"] == pytest.approx(after)
         assert ratios[f"ours_over_openclip_{m}"] == pytest.approx(oc["median_s"] / ours["median_s"])
+        paired = sorted(c / o for o, c in zip(ours["step_times_s"], oc["step_times_s"]))
+        assert ratios[f"paired_ours_over_openclip_{m}"] == pytest.approx(sum(paired) / 2)  # two rounds
     report = format_report(results)
     assert "masking speed-up: ours" in report and "after the backward" in report and "share" in report
     assert "MFU" in report and "GFLOP per training sample, both sides: mask 0: " in report

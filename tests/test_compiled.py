@@ -10,40 +10,19 @@ import open_clip
 import pytest
 import torch
 from engine_state import full_state
-from stand_ins import SixBatches, step_log
+from stand_ins import MASKED, SixBatches, step_log, toy_config, toy_trainer
 
 from eva_fastclip.config import load_config
-from eva_fastclip.engine.build import build_trainer
 from eva_fastclip.engine.compiled import CompileFailed
 from eva_fastclip.export import export_open_clip
 from eva_fastclip.plan import preflight
-from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 
 RTOL = 1e-4
 
 
 def trainer(out, *sets, steps=3, resume=None):
-    cfg = load_config(
-        "configs/toy.json",
-        [
-            "model.name=test-vit-xs",
-            "model.patch_dropout=0.5",
-            "train.precision=fp32",
-            "train.batch_size=8",
-            f"train.steps={steps}",
-            "train.save_every_steps=2",
-            "train.log_every_steps=1",
-            f"train.output_dir={out}",
-            "optim.warmup_steps=1",
-            "optim.lr=1e-2",
-            "eval.zeroshot_dir=null",
-            "eval.retrieval_shards=null",
-            *sets,
-        ],
-    )
-    return build_trainer(
-        cfg, load_deepspeed_config(cfg.train.deepspeed_config), resume=resume, loader=SixBatches()
-    )
+    cfg = toy_config(out, *MASKED, f"train.steps={steps}", "train.save_every_steps=2", *sets, base=())
+    return toy_trainer(cfg, loader=SixBatches(), resume=resume)
 
 
 def trained(out, *sets, **kwargs) -> dict:

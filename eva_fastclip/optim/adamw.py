@@ -34,7 +34,7 @@ class AdamW(GuardedStep, torch.optim.AdamW):
         scale = self._guard.inspect(self._gradients())
         self._found_inf = (~torch.isfinite(self._guard.norm)).float()
         self.found_inf = self._found_inf  # read by torch's fused kernel
-        self.grad_scale = None if scale is None else scale.reciprocal()
+        self.grad_scale = None if scale is None else scale.reciprocal().float()  # the kernel's dtype
         try:
             return super().step(closure)
         finally:

@@ -37,12 +37,13 @@ class GradientGuard:
     def inspect(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
         """The global norm of ``grads`` (kept in :attr:`norm`); returns the clip coefficient as a device
         scalar, or None without clipping."""
+        dtype = torch.promote_types(grads[0].dtype, torch.float32)  # fp32 at least, float64 stays
         if grads[0].device.type == "cpu":  # a dot product per tensor: half the time of a CPU norm kernel
             flat = [g.reshape(-1) for g in grads]
-            self.norm = torch.stack([torch.dot(g, g).float() for g in flat]).sum().sqrt()
+            self.norm = torch.stack([torch.dot(g, g).to(dtype) for g in flat]).sum().sqrt()
         else:
             norms = torch._foreach_norm(grads)
-            self.norm = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+            self.norm = torch.linalg.vector_norm(torch.stack([n.to(dtype) for n in norms]))
         if not self.max_norm:
             return None
         return (self.max_norm / (self.norm + CLIP_EPS)).clamp_(max=1.0)

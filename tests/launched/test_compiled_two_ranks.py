@@ -35,29 +35,10 @@ class RankBatches:
 
 def run(out: Path, rank: int, *sets: str) -> dict:
     from engine_state import full_state
+    from stand_ins import MASKED, toy_config, toy_trainer
 
-    from eva_fastclip.config import load_config
-    from eva_fastclip.engine.build import build_trainer
-    from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
-
-    cfg = load_config(
-        "configs/toy.json",
-        [
-            "model.name=test-vit-xs",
-            "model.patch_dropout=0.5",
-            "train.precision=fp32",
-            "train.batch_size=8",
-            f"train.steps={STEPS}",
-            "train.log_every_steps=1",
-            f"train.output_dir={out}",
-            "optim.warmup_steps=1",
-            "optim.lr=1e-2",
-            "eval.zeroshot_dir=null",
-            "eval.retrieval_shards=null",
-            *sets,
-        ],
-    )
-    trainer = build_trainer(cfg, load_deepspeed_config(cfg.train.deepspeed_config), loader=RankBatches(rank))
+    cfg = toy_config(out, *MASKED, f"train.steps={STEPS}", *sets, base=())
+    trainer = toy_trainer(cfg, loader=RankBatches(rank))
     recompiles = []
     step = trainer.train_step
 
