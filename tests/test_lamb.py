@@ -451,3 +451,21 @@ def test_the_fused_optimizers_build_for_the_base_of_an_arch_specific_cuda_arch(a
     if base != arch_list:
         with pytest.raises(ValueError):
             deepspeed_reads(arch_list)
+
+
+@pytest.mark.parametrize("multi", [False, True], ids=["cpu-sweep", "multi-tensor"])
+def test_a_channels_last_weight_steps_as_the_kernel_does(multi):
+    """A tensor that is not contiguous (a conv weight in channels-last layout) takes the kernel's step too,
+    whichever way the step walks memory."""
+    g = torch.Generator().manual_seed(3)
+    w = nn.Parameter(torch.randn(4, 3, 2, 2, generator=g).to(memory_format=torch.channels_last))
+    assert not w.is_contiguous()
+    optimizer = Lamb([{"params": [w], "weight_decay": 0.1}], lr=1e-2, betas=BETAS, eps=EPS)
+    optimizer.multi_tensor_on_cpu = multi
+    expected, m, v = w.detach().double(), torch.zeros(w.shape).double(), torch.zeros(w.shape).double()
+    for step in (1, 2):
+        grad = torch.randn(w.shape, generator=g)
+        w.grad = grad.to(memory_format=torch.channels_last)
+        optimizer.step()
+        expected, m, v, _ = kernel_step(expected, grad, m, v, step, lr=1e-2, weight_decay=0.1)
+        assert_matches(w, expected)

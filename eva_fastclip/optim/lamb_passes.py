@@ -63,6 +63,15 @@ def sweep_cpu(
     for slot in slots:
         u = torch.empty_like(slot.w)
         updates.append(u)
+        if not all(t.is_contiguous() for t in (slot.w, slot.g, slot.m, slot.v)):  # (channels-last weights)
+            if grad_scale is not None:
+                slot.g.mul_(grad_scale)
+            _moments_of_chunk(slot.w, slot.g, slot.m, slot.v, u, *slot.settings, eps_inside_sqrt)
+            squares = (torch.linalg.vector_norm(t, dtype=torch.float64).square().item() for t in (slot.w, u))
+            sums.append(
+                tuple(squares)
+            )  # one fragment: a whole tensor (ZeRO's flat partitions are contiguous)
+            continue
         arrays = (slot.w.view(-1), slot.g.view(-1), slot.m.view(-1), slot.v.view(-1), u.view(-1))
         for start, length, measured in _segments(slot.w.numel(), slot.fragments):
             weight_sq = update_sq = 0.0
