@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from launching import REPO, train_args
@@ -103,6 +104,44 @@ def test_a_port_in_use_is_one_line_naming_master_port(fake_bin):
         f"single_node.sh: MASTER_PORT={port} is in use on this host (another run?): set MASTER_PORT to a "
         "free port, or unset it to have one picked"
     )
+
+
+@pytest.mark.parametrize(
+    "value, what",
+    [("abc", "is not a port number"), ("0", "is not a port (1-65535)"), ("70000", "is not a port (1-65535)")],
+)
+def test_a_master_port_that_is_no_port_is_named_as_such(fake_bin, value, what):
+    """Not "in use (another run?)" for a value that is no port at all."""
+    result = launch(fake_bin, MASTER_PORT=value)
+    assert result.returncode == 2 and "ARGS" not in result.stdout
+    assert result.stderr.strip() == (
+        f"single_node.sh: MASTER_PORT={value} {what}: set MASTER_PORT to a free port, or unset it to have "
+        "one picked"
+    )
+
+
+def test_a_port_below_1024_without_root_is_named_as_such(tmp_path):
+    """Only root may listen below 1024: as another user, port 80 is refused for that, not as in use. The
+    check runs as nobody (setpriv) where the test runs as root."""
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="master_port_"))  # readable by nobody, unlike pytest's tmp_path
+    try:
+        shutil.copy(REPO / "launchers" / "master_port.sh", folder / "master_port.sh")
+        folder.chmod(0o755)
+        (folder / "master_port.sh").chmod(0o644)
+        command = ["bash", "-c", f"source {folder}/master_port.sh; echo $MASTER_PORT"]
+        if os.geteuid() == 0:
+            if not shutil.which("setpriv"):
+                pytest.skip("running as root without setpriv: no unprivileged user to try port 80 as")
+            command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *command]
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "MASTER_PORT": "80"}
+        result = subprocess.run(command, env=env, capture_output=True, text=True, check=False, timeout=30)
+    finally:
+        shutil.rmtree(folder)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "MASTER_PORT=80 is below 1024, which only root may listen on" in result.stderr
 
 
 def test_a_live_stores_port_is_refused(fake_bin):
