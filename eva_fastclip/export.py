@@ -38,16 +38,14 @@ def read_client_state(folder: Path) -> dict[str, Any]:
     states = sorted(folder.glob("mp_rank_*_model_states.pt"))
     if not states:
         raise FileNotFoundError(f"{folder} holds no DeepSpeed model states (mp_rank_*_model_states.pt)")
-    return torch.load(states[0], map_location="cpu", weights_only=False)
+    return checkpoint.load_file(states[0])
 
 
 def trained_as(folder: Path) -> tuple[str | None, torch.dtype]:
     """The precision a checkpoint was trained in (bf16, fp16, fp32; None: not recorded) and the dtype its
     run held the module's weights in (bf16 / fp16 under DeepSpeed's bf16 / fp16, fp32 under autocast)."""
     states = sorted(folder.glob("mp_rank_*_model_states.pt"))
-    module = (
-        torch.load(states[0], map_location="cpu", weights_only=False, mmap=True)["module"] if states else {}
-    )
+    module = checkpoint.load_file(states[0], mmap=True)["module"] if states else {}
     held = {t.dtype for t in module.values() if t.is_floating_point()}  # buffers stay fp32 beside them
     dtype = next((d for d in (torch.bfloat16, torch.float16) if d in held), torch.float32)
     return checkpoint.saved_precision(folder), dtype

@@ -41,6 +41,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from eva_fastclip.config import ConfigError
+
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE.json"
@@ -62,8 +64,47 @@ def is_complete(checkpoint: Path) -> bool:
     return (checkpoint / MARKER).is_file()
 
 
+class CorruptCheckpoint(ConfigError):
+    """A checkpoint's file that cannot be read: the message names it (exit code 2, before step 1)."""
+
+
 def read_marker(checkpoint: Path) -> dict[str, Any]:
-    return json.loads((checkpoint / MARKER).read_text())
+    path = checkpoint / MARKER
+    try:
+        marker = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise corrupt(path, f"not valid JSON: {err}") from None
+    if not isinstance(marker, dict) or "step" not in marker:
+        raise corrupt(path, "not a checkpoint's marker (no step)")
+    return marker
+
+
+def load_file(path: Path, **kwargs) -> Any:
+    """``torch.load`` of a checkpoint's file; one truncated or damaged is named (CorruptCheckpoint)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, **kwargs)
+    except Exception as err:  # noqa: BLE001 (named below when it is the file's fault, else re-raised)
+        if not unreadable(err):
+            raise
+        raise corrupt(path, f"truncated or damaged ({type(err).__name__}: {err})") from None
+
+
+def unreadable(err: BaseException) -> bool:
+    """Whether ``err`` is torch.load's way of saying its file is cut short or not a checkpoint file."""
+    import pickle
+
+    if isinstance(err, (EOFError, pickle.UnpicklingError)):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and ("PytorchStreamReader" in text or "zip archive" in text)
+
+
+def corrupt(path: Path, what: str) -> CorruptCheckpoint:
+    """The one line that names a checkpoint file that cannot be read, and the way out."""
+    return CorruptCheckpoint(
+        f"{path} is {what}: the checkpoint {path.parent} cannot be trusted; resume from another one "
+        "(--resume FOLDER) or move it out of the checkpoints folder"
+    )
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -197,7 +238,14 @@ def load_checkpoint(engine, folder: Path, universal: Path | None = None) -> dict
         engine.optimizer.load_hp_checkpoint_state_from_checkpoint_dir = types.MethodType(
             _load_universal_groups, engine.optimizer
         )
-    load_path, client_state = engine.load_checkpoint(str(source.parent), tag=source.name)
+    try:
+        load_path, client_state = engine.load_checkpoint(str(source.parent), tag=source.name)
+    except Exception as err:  # noqa: BLE001 (DeepSpeed names no file: the folder is named)
+        if not unreadable(err):
+            raise
+        raise corrupt(
+            source, f"a folder with a truncated or damaged file ({type(err).__name__}: {err})"
+        ) from None
     if load_path is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint in {source}")
     if universal is not None:
@@ -216,7 +264,7 @@ def saved_settings(folder: Path) -> dict[str, Any]:
     states = sorted(folder.glob("mp_rank_*_model_states.pt"))
     if not states:
         return {}
-    saved = torch.load(states[0], map_location="cpu", weights_only=False, mmap=True)
+    saved = load_file(states[0], mmap=True)
     ds = saved.get("ds_config") if isinstance(saved.get("ds_config"), dict) else {}
     deepspeed = {"zero_optimization": {"stage": ds.get("zero_optimization", {}).get("stage", 0)}}
     if "gradient_clipping" in ds:
@@ -233,7 +281,7 @@ def saved_precision(folder: Path) -> str | None:
     states = sorted(folder.glob("mp_rank_*_model_states.pt"))
     if not states:
         return None
-    ds = torch.load(states[0], map_location="cpu", weights_only=False, mmap=True).get("ds_config", {})
+    ds = load_file(states[0], mmap=True).get("ds_config", {})
     if ds.get("bf16", {}).get("enabled") is True:
         return "bf16"
     return "fp16" if ds.get("fp16", {}).get("enabled") is True else "fp32"
@@ -248,7 +296,7 @@ def load_rank_state(folder: Path, rank: int) -> dict[str, Any] | None:
     """This rank's saved RNG states and data position; None for a checkpoint from before they were saved."""
     path = folder / RANK_STATE / f"rank_{rank:05d}.pt"
     # our own file (Python's and NumPy's RNG states are not tensors)
-    return torch.load(path, map_location="cpu", weights_only=False) if path.is_file() else None
+    return load_file(path) if path.is_file() else None
 
 
 def needs_conversion(folder: Path, world_size: int) -> bool:
@@ -391,7 +439,7 @@ def _load_module_rest(module: torch.nn.Module, folder: Path) -> None:
     if not wanted:
         return
     states = folder / "mp_rank_00_model_states.pt"
-    saved = torch.load(states, map_location="cpu", weights_only=False)["module"]
+    saved = load_file(states)["module"]
     missing = sorted(wanted - saved.keys())
     if missing:
         raise RuntimeError(f"{states} has no {', '.join(missing[:5])}: it is not this architecture's")

@@ -34,8 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    """0: done; 2 (from cli.main): a check failed; 3: non-finite steps; 4: a checkpoint could not be
-    written; 75 (PREEMPTED_EXIT_CODE): preempted, saved, resumable."""
+    """0: done; 2 (from cli.main): a check failed before step 1; 3: non-finite steps; 4: a checkpoint could
+    not be written; 75 (PREEMPTED_EXIT_CODE): preempted, saved, resumable; 1 (an exception, with its
+    traceback): anything else, mid-run errors included (RunFailed)."""
     from eva_fastclip.plan import preflight
     from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 
@@ -80,8 +81,11 @@ def train(cfg, ds: dict, resume: str | None) -> int:
     try:
         code, detail = _train_held(cfg, ds, resume, lock)
         return code
+    except RunFailed as err:  # exit code 1, the traceback on stderr: a failure the supervisor retries
+        detail = str(err)
+        raise
     except (ValueError, FileNotFoundError) as err:  # cli.main's exit code 2 (ConfigError is a ValueError)
-        code, detail = 2, str(err)
+        code, detail = 2, str(err)  # before step 1: _train_held turns those of a started run into RunFailed
         raise
     finally:
         lock.release(code, detail)
@@ -99,7 +103,11 @@ def _train_held(cfg, ds: dict, resume: str | None, lock) -> tuple[int, str]:
 
     try:
         with Watchdog.for_run(cfg.train) as dog:
-            build_trainer(cfg, ds, resume=resume, watchdog=dog, lock=lock).train()
+            trainer = build_trainer(cfg, ds, resume=resume, watchdog=dog, lock=lock)  # errors: exit 2
+            try:
+                trainer.train()
+            except (ValueError, FileNotFoundError) as err:  # mid-run: not the config's, and kept whole
+                raise RunFailed(f"the run failed after it started: {type(err).__name__}: {err}") from err
     except NonFiniteSteps as err:  # the last complete checkpoint is intact: say which, exit non-zero
         _say(f"stopped: {err}")
         return 3, str(err)
@@ -114,6 +122,12 @@ def _train_held(cfg, ds: dict, resume: str | None, lock) -> tuple[int, str]:
         _say(f"stopped: {err}")
         return 4, str(err)
     return 0, "finished"
+
+
+class RunFailed(RuntimeError):
+    """A ValueError or FileNotFoundError raised once training had started: not a configuration problem
+    (exit code 2 means one, found before step 1, and the launch supervisor and the Kubernetes manifest do
+    not retry it) but a failure, exit code 1 with its traceback, which they retry."""
 
 
 def _say(line: str) -> None:

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import re
 from pathlib import Path
 
 import torch
 
+from eva_fastclip.config import ConfigError
 from eva_fastclip.losses.gather import Gatherer
 
 _FILE = re.compile(r"^per_sample_(\d{12})-(\d{12})\.pt$")
@@ -112,7 +114,13 @@ class PerSampleTable:
             start, stop = max(lo, self.lo), min(hi, self.hi)
             if start >= stop:
                 continue
-            payload = torch.load(path, map_location="cpu")
+            try:
+                payload = torch.load(path, map_location="cpu")
+            except (EOFError, RuntimeError, pickle.UnpicklingError) as err:
+                raise ConfigError(
+                    f"{path} is truncated or damaged ({type(err).__name__}: {err}): the checkpoint's "
+                    "per-sample state cannot be trusted; resume from another checkpoint (--resume FOLDER)"
+                ) from None
             if payload["fields"] != self.fields or payload["size"] != self.size:
                 raise ValueError(
                     f"{path} holds fields {payload['fields']} for {payload['size']} samples, but this loss "
