@@ -235,3 +235,23 @@ def test_the_settings_a_checkpoint_was_trained_with(tmp_path):
     older = checkpoint.save_checkpoint(OlderEngine(), root, 2, {}, keep=3)
     want = {"zero_optimization": {"stage": 2}, "gradient_clipping": 0.5}
     assert checkpoint.saved_settings(older) == {"config": config, "deepspeed": want}
+
+
+def test_a_failed_saves_report_never_hides_the_error_it_carries(tmp_path):
+    """The report a failed save sends to the other ranks runs before that collective: it may not raise.
+    A root this node never made (another node's file system) or a damaged marker left the rank out of the
+    collective with its own FileNotFoundError instead of the write's error (and the run exited 2)."""
+    error = "rank 1: [Errno 13] Permission denied: '/shared/run/checkpoints/step_00000008.saving'"
+    never_made = tmp_path / "on another node" / "checkpoints"
+    assert checkpoint._failure_report(error, never_made) == (
+        error,
+        f"what is left on the file system of {never_made} cannot be read here ([Errno 2] No such file or "
+        f"directory: '{never_made}')",
+    )
+    root = tmp_path / "checkpoints"
+    (root / "step_00000004").mkdir(parents=True)
+    (root / "step_00000004" / checkpoint.MARKER).write_text("")  # a marker cut short
+    carried, details = checkpoint._failure_report(error, root)
+    assert carried == error and "COMPLETE.json is not valid JSON" in details
+    with pytest.raises(checkpoint.CheckpointWriteError, match=r"failed \(rank 1: \[Errno 13\] Permission"):
+        checkpoint._raise_if_a_rank_failed([error], never_made, never_made / "step_00000008.saving")

@@ -516,7 +516,16 @@ def _raise_if_a_rank_failed(failure: list[str], root: Path, staging: Path) -> No
 
 def _failure_report(error: str, root: Path) -> tuple[str, str]:
     """(the error, what this rank sees of the room a save needs: the last checkpoint's size, the space left on
-    its file system, the likely cause)."""
+    its file system, the likely cause). It never raises: it runs before the collective every rank must
+    reach, and the error it carries is the one to report (a root this node never made, or a damaged
+    marker, only leave the details out)."""
+    try:
+        return error, _room_seen(root)
+    except Exception as err:  # noqa: BLE001 (see above)
+        return error, f"what is left on the file system of {root} cannot be read here ({err})"
+
+
+def _room_seen(root: Path) -> str:
     complete = complete_checkpoints(root)
     size = sum(p.stat().st_size for p in complete[-1].rglob("*") if p.is_file()) if complete else None
     if complete:
@@ -524,7 +533,7 @@ def _failure_report(error: str, root: Path) -> tuple[str, str]:
     else:
         needed = "there is no complete checkpoint yet"
     free = shutil.disk_usage(root).free
-    return error, f"{needed}; {_size(free)} are left on the file system of {root}{_likely_cause(size, free)}"
+    return f"{needed}; {_size(free)} are left on the file system of {root}{_likely_cause(size, free)}"
 
 
 def _likely_cause(size: int | None, free: int) -> str:
