@@ -11,11 +11,13 @@ marks the run aborted in the store and exits with :data:`HANG_EXIT_CODE`. Every 
 (reliability/guardian.py, a process of its own) then SIGKILLs its rank, a stopped one included, so every
 node's launch.py exits non-zero and the ``deepspeed`` command returns.
 
-Which ranks: every rank writes a heartbeat (its step, phase and time) to the process group's store every
-:data:`HEARTBEAT_S` seconds over a connection of its own. A rank whose heartbeat is stale is stopped or
-gone; one whose step is behind is the one the others wait for. A store that does not answer means rank 0,
-which serves it, is stopped or gone. With NCCL, PyTorch's Flight Recorder records the collectives, and
-the watchdog dumps it beside the run (``flight_recorder/``) before exiting.
+Which ranks: every rank writes a heartbeat (a count, its step and phase) to the process group's store every
+:data:`HEARTBEAT_S` seconds over a connection of its own. A hang report reads them twice, a local interval
+apart: a rank whose count did not move is stopped or gone, one that never wrote one is named as such, one
+whose step is behind is the one the others wait for. A store that does not answer means rank 0, which
+serves it, is stopped or gone. No decision compares two hosts' clocks. With NCCL, PyTorch's Flight
+Recorder records the collectives, and the watchdog dumps it beside the run (``flight_recorder/``) before
+exiting.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ log = logging.getLogger(__name__)
 #: the exit code of a rank the watchdog ended (the ``timeout`` command's)
 HANG_EXIT_CODE = 124
 HEARTBEAT_S = 2.0
+#: how long a hang report watches the others' heartbeat counts (this host's clock): a count that does not
+#: move in it belongs to a rank that is stopped or gone
+PEER_WATCH_S = 2.5 * HEARTBEAT_S
 LONG_PHASES = ("start-up", "first step", "evaluation", "save", "finish")
 
 
@@ -68,6 +73,7 @@ class Watchdog:
         self._state = ("start-up", time.monotonic())  # (phase, since): one attribute, read by the thread
         self._store_address: tuple[str, int] | None = None
         self._store = None
+        self._seq = 0  # heartbeats written: what the others watch move
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._guardian = None  # reliability/guardian.py: ends this rank if it is stopped when the run ends
@@ -159,46 +165,58 @@ class Watchdog:
         return self._store
 
     def _beat(self, phase: str, seconds: float) -> None:
-        record = {"step": self.step, "phase": phase, "in_phase_s": round(seconds, 1), "time": time.time(),
+        self._seq += 1
+        record = {"seq": self._seq, "step": self.step, "phase": phase, "in_phase_s": round(seconds, 1),
                   "host": socket.gethostname(), "pid": os.getpid()}  # fmt: skip
         try:
             self._client().set(f"eva_fastclip/heartbeat/{self.rank}", json.dumps(record))
         except Exception:  # a store that does not answer: the report says so when it matters
             self._store = None
 
+    def _heartbeats(self) -> dict[int, dict]:
+        """Every rank's last heartbeat in the store, of those that wrote one (a missing key is not waited
+        for: it is checked first, so a rank that never beat cannot stall the read)."""
+        store, beats = self._client(), {}
+        for r in range(self.world_size):
+            key = f"eva_fastclip/heartbeat/{r}"
+            if store.check([key]):
+                beats[r] = json.loads(store.get(key))
+        return beats
+
     def _peers(self) -> str:
-        """Which ranks this one waits for, from their heartbeats."""
+        """Which ranks this one waits for, from their heartbeats read twice :data:`PEER_WATCH_S` apart by
+        this host's monotonic clock: a rank whose count did not move meanwhile is stopped or gone. No two
+        hosts' clocks are compared (they may differ by seconds)."""
         if self._store_address is None or self.world_size == 1:
             return ""
         try:
-            store = self._client()
-            beats = {r: json.loads(store.get(f"eva_fastclip/heartbeat/{r}")) for r in range(self.world_size)}
+            first = self._heartbeats()
+            time.sleep(PEER_WATCH_S)
+            beats = self._heartbeats()
         except Exception as err:  # rank 0 serves the store: stopped or gone
             host = self._store_address[0]
             return f"; the store on rank 0 ({host}) does not answer ({err}): rank 0 is stopped or gone"
-        now = time.time()
         mine = (self.step, self._state[0])
-        stale = [r for r, b in beats.items() if now - b["time"] > 3 * HEARTBEAT_S]
-        behind = [r for r, b in beats.items() if b["step"] < self.step and r not in stale]
+        others = [r for r in range(self.world_size) if r != self.rank]
+        never = [r for r in others if r not in beats]
+        stale = [r for r in others if r in beats and first.get(r, {}).get("seq") == beats[r]["seq"]]
+        behind = [r for r in others if r in beats and beats[r]["step"] < self.step and r not in stale]
         elsewhere = [
-            r for r, b in beats.items()
-            if r != self.rank and r not in stale + behind and (b["step"], b["phase"]) != mine
+            r for r in others
+            if r in beats and r not in stale + behind and (beats[r]["step"], beats[r]["phase"]) != mine
         ]  # fmt: skip
         groups = (
-            (f"no heartbeat for over {3 * HEARTBEAT_S:.0f} s (stopped or gone)", stale),
+            (f"no heartbeat in {PEER_WATCH_S:.0f} s (stopped or gone)", stale),
             ("behind, at an earlier step", behind),
             ("in another phase", elsewhere),
         )
-        lines = []
-        for label, ranks in groups:
-            if ranks:
-                who = ", ".join(
-                    f"rank {r} ({beats[r]['host']}, pid {beats[r]['pid']}: step {beats[r]['step']}, "
-                    f"{beats[r]['phase']} for {beats[r]['in_phase_s']:.0f} s, last heartbeat "
-                    f"{now - beats[r]['time']:.0f} s ago)"
-                    for r in ranks
-                )
-                lines.append(f"{label}: {who}")
+        lines = [
+            f"{label}: {', '.join(_described(r, beats[r]) for r in ranks)}"
+            for label, ranks in groups
+            if ranks
+        ]
+        if never:
+            lines.append(f"no heartbeat ever (never started, or stopped before its first): ranks {never}")
         return "; waiting for ranks " + "; ".join(lines) if lines else "; every rank's heartbeat is current"
 
     def _fire(self, phase: str, seconds: float) -> None:
@@ -243,6 +261,13 @@ def _kill_children() -> None:
     for child in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
             child.kill()
+
+
+def _described(rank: int, beat: dict) -> str:
+    return (
+        f"rank {rank} ({beat['host']}, pid {beat['pid']}: step {beat['step']}, {beat['phase']} for "
+        f"{beat['in_phase_s']:.0f} s, heartbeat {beat['seq']})"
+    )
 
 
 def flight_recorder_env(dump_dir: Path) -> dict[str, str]:
