@@ -89,7 +89,10 @@ def train_config(command: list[str]):
     train = command[command.index("train") + 1 :] if "train" in command else []
     if option(train, "--config") is None:
         return None
+    # argparse takes --set K=V and --set=K=V alike
     overrides = [train[i + 1] for i, arg in enumerate(train[:-1]) if arg == "--set"]
+    overrides += [arg.split("=", 1)[1] for arg in train if arg.startswith("--set=")]
+    overrides.sort(key=lambda item: _position(train, item))  # the order the command gives them: last wins
     try:
         return load_config(option(train, "--config"), overrides)
     except Exception:  # noqa: BLE001
@@ -112,14 +115,43 @@ def resumed_step(command: list[str]) -> str:
     return f"step {checkpoint.read_marker(latest)['step']} ({latest})"
 
 
-def answering_hosts(hostfile: Path) -> tuple[list[str], list[str]]:
-    """The hostfile's lines whose host answers ssh, and the hosts that do not."""
+def _position(args: list[str], override: str) -> int:
+    """Where ``override`` stands in ``args`` (as ``--set`` ``K=V`` or ``--set=K=V``)."""
+    for i, arg in enumerate(args):
+        if arg in (override, f"--set={override}"):
+            return i
+    return len(args)
+
+
+def ssh_options(command: list[str]) -> list[str]:
+    """The options DeepSpeed's runner gives ssh for ``command``: ``--ssh_port`` and the user's
+    ``PDSH_SSH_ARGS_APPEND`` (what pdsh passes on to ssh)."""
+    import os
+    import shlex
+
+    options = shlex.split(os.environ.get("PDSH_SSH_ARGS_APPEND", ""))
+    port = option(command, "--ssh_port")
+    return [*options, "-p", port] if port else options
+
+
+def answering_hosts(hostfile: Path, options: list[str] = ()) -> tuple[list[str], list[str]]:
+    """The hostfile's lines whose host answers ssh (with ``options``: ssh_options), and the hosts that do
+    not."""
     live, lost = [], []
     for line in hostfile.read_text().splitlines():
         host = line.split("#", 1)[0].split()
         if not host:
             continue
-        probe = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={PROBE_TIMEOUT_S}", host[0], "true"]
+        probe = [
+            "ssh",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            f"ConnectTimeout={PROBE_TIMEOUT_S}",
+            *options,
+            host[0],
+            "true",
+        ]
         try:
             ok = subprocess.run(probe, capture_output=True, timeout=PROBE_TIMEOUT_S + 5).returncode == 0
         except subprocess.TimeoutExpired:
@@ -133,7 +165,7 @@ def surviving_nodes(command: list[str], min_nodes: int) -> list[str] | None:
     hostfile = option(command, "--hostfile")
     if hostfile is None:
         return command
-    live, lost = answering_hosts(Path(hostfile))
+    live, lost = answering_hosts(Path(hostfile), ssh_options(command))
     if not lost:
         return command
     if len(live) < min_nodes:
@@ -147,8 +179,26 @@ def surviving_nodes(command: list[str], min_nodes: int) -> list[str] | None:
         at = next(i for i, arg in enumerate(command) if arg.split("=")[0] == "--hostfile")
         command.insert(at, "--force_multi")
     master = option(command, "--master_addr")
-    if master in lost:
+    if master is not None and is_lost(master, lost):
         first = live[0].split()[0]
         log(f"--master_addr {master} is lost: rank 0 moves to {first}")
         command = with_option(command, "--master_addr", first)
     return command
+
+
+def is_lost(master: str, lost: list[str]) -> bool:
+    """Whether ``--master_addr`` (a host's name, or one of its addresses) is one of the ``lost`` hosts:
+    compared by name, then by the addresses each name resolves to."""
+    if master in lost:
+        return True
+    addresses = _addresses(master)
+    return any(addresses & _addresses(host) for host in lost)
+
+
+def _addresses(host: str) -> set[str]:
+    import socket
+
+    try:
+        return {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:  # a lost host's name may resolve no more: its name alone then
+        return set()
