@@ -303,7 +303,7 @@ class TrainLoader:
         workers = getattr(batches, "_workers", ())
         self.worker_pids = [worker.pid for worker in workers]  # (a hang names them)
         for images, tokens, indices, keys, (worker, stream, skips) in naming_dead_workers(
-            itertools.islice(batches, self.num_batches - position.start), workers, self.rank
+            itertools.islice(batches, self.num_batches - position.start), workers, self.rank, batches
         ):
             position.advance(worker, stream)
             self._skips.note(worker, skips)

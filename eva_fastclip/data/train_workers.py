@@ -36,9 +36,12 @@ def train_dataloader(pipeline: IterableDataset, *, workers: int, seed: int, pin_
     )
 
 
-def naming_dead_workers(batches: Iterator[Any], workers: Sequence[Any], rank: int) -> Iterator[Any]:
+def naming_dead_workers(
+    batches: Iterator[Any], workers: Sequence[Any], rank: int, loader_iterator: Any = None
+) -> Iterator[Any]:
     """``batches``; a failure while a worker has died (the OOM killer: PyTorch names it, or its queue's
-    pipe breaks first, naming nobody) is raised again naming the dead workers."""
+    pipe breaks first, naming nobody) is raised again naming the dead workers, once the loader's other
+    workers are ended here (:func:`_abandon`)."""
     try:
         yield from batches
     except (RuntimeError, OSError, EOFError) as err:
@@ -50,8 +53,33 @@ def naming_dead_workers(batches: Iterator[Any], workers: Sequence[Any], rank: in
             if time.monotonic() >= deadline:
                 raise
             time.sleep(0.1)
+        _abandon(loader_iterator, workers)
         codes = ", ".join(f"pid {worker.pid} (exit code {worker.exitcode})" for worker in dead)
         raise RuntimeError(
             f"rank {rank}'s training loader worker(s) died: {codes}; a negative code is the signal that "
             "ended it (-9: SIGKILL, e.g. the kernel's OOM killer: give them more memory, or use fewer)"
         ) from err
+
+
+def _abandon(loader_iterator: Any, workers: Sequence[Any]) -> None:
+    """A worker killed while it held one of the loader's shared locks (its workers-done event's, which
+    every worker takes to read it, or the result queue's) leaves it held for good, and PyTorch's own
+    shutdown of the loader (when the iterator is collected) sets that event: it waited forever, the rank
+    hung after naming the dead worker. So the other workers are ended here and the iterator is told it is
+    shut down; its queues let the process exit without flushing to workers that are gone."""
+    for worker in workers:
+        if worker.is_alive():
+            worker.kill()
+    for worker in workers:
+        worker.join(timeout=5)
+    if loader_iterator is None:
+        return
+    loader_iterator._shutdown = True
+    queues = [
+        *getattr(loader_iterator, "_index_queues", ()),
+        getattr(loader_iterator, "_worker_result_queue", None),
+    ]
+    for queue in queues:
+        if queue is not None:
+            queue.cancel_join_thread()
+            queue.close()
