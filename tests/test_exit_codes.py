@@ -46,7 +46,7 @@ def resume_args(data, out):
     "damage, named",
     [
         ("empty marker", "COMPLETE.json is not valid JSON"),
-        ("marker without a step", "COMPLETE.json is not a checkpoint's marker (no step)"),
+        ("marker that is no object", "COMPLETE.json is not a checkpoint's marker (not a JSON object)"),
         ("truncated rank state", "rank_00000.pt is truncated or damaged"),
         ("truncated per-sample state", ".pt is truncated or damaged"),
     ],
@@ -59,8 +59,8 @@ def test_a_damaged_checkpoint_file_is_named_in_one_line(saved, data, tmp_path, c
     folder = out / "checkpoints" / f"step_{STEPS:08d}"
     if damage == "empty marker":
         (folder / "COMPLETE.json").write_text("")
-    elif damage == "marker without a step":
-        (folder / "COMPLETE.json").write_text(json.dumps({"world_size": 1}))
+    elif damage == "marker that is no object":
+        (folder / "COMPLETE.json").write_text(json.dumps([1]))
     elif damage == "truncated rank state":
         path = folder / "rank_state" / "rank_00000.pt"
         path.write_bytes(path.read_bytes()[:100])

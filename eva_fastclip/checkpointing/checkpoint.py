@@ -74,8 +74,8 @@ def read_marker(checkpoint: Path) -> dict[str, Any]:
         marker = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise corrupt(path, f"not valid JSON: {err}") from None
-    if not isinstance(marker, dict) or "step" not in marker:
-        raise corrupt(path, "not a checkpoint's marker (no step)")
+    if not isinstance(marker, dict):
+        raise corrupt(path, "not a checkpoint's marker (not a JSON object)")
     return marker
 
 

@@ -121,5 +121,6 @@ def test_a_stalled_loader_worker_is_named_and_the_run_ends(toy_data, tmp_path):
         "in another phase: rank 0 (",
         "behind, at an earlier step: rank 0 (",
         "rank 0 is stopped or gone",
+        "(stopped or gone): rank 0 (",  # its count stopped while rank 1 watched: it had exited
     )
     assert all(any(text in line for text in named) for line in waiting), waiting
