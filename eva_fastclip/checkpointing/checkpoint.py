@@ -34,7 +34,7 @@ import os
 import re
 import shutil
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,12 +81,20 @@ def read_marker(checkpoint: Path) -> dict[str, Any]:
 
 def load_file(path: Path, **kwargs) -> Any:
     """``torch.load`` of a checkpoint's file; one truncated or damaged is named (CorruptCheckpoint)."""
-    try:
+    with naming_damage(path, "truncated or damaged"):
         return torch.load(path, map_location="cpu", weights_only=False, **kwargs)
+
+
+@contextlib.contextmanager
+def naming_damage(path: Path, what: str) -> Iterator[None]:
+    """Within the block, torch.load's failure on a file cut short or damaged is raised again as a
+    CorruptCheckpoint naming ``path`` as ``what``; any other error passes unchanged."""
+    try:
+        yield
     except Exception as err:  # noqa: BLE001 (named below when it is the file's fault, else re-raised)
         if not unreadable(err):
             raise
-        raise corrupt(path, f"truncated or damaged ({type(err).__name__}: {err})") from None
+        raise corrupt(path, f"{what} ({type(err).__name__}: {err})") from None
 
 
 def unreadable(err: BaseException) -> bool:
@@ -238,14 +246,8 @@ def load_checkpoint(engine, folder: Path, universal: Path | None = None) -> dict
         engine.optimizer.load_hp_checkpoint_state_from_checkpoint_dir = types.MethodType(
             _load_universal_groups, engine.optimizer
         )
-    try:
+    with naming_damage(source, "a folder with a truncated or damaged file"):  # DeepSpeed names no file
         load_path, client_state = engine.load_checkpoint(str(source.parent), tag=source.name)
-    except Exception as err:  # noqa: BLE001 (DeepSpeed names no file: the folder is named)
-        if not unreadable(err):
-            raise
-        raise corrupt(
-            source, f"a folder with a truncated or damaged file ({type(err).__name__}: {err})"
-        ) from None
     if load_path is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint in {source}")
     if universal is not None:

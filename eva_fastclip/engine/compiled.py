@@ -85,12 +85,7 @@ def _compiled(method: Callable, name: str, backend: str) -> Callable:
                 "train.compile=false to train it eagerly"
             ) from err
 
-    run.compiled = True
     return run
-
-
-def is_compiled(model: nn.Module) -> bool:
-    return any(getattr(getattr(model, name, None), "compiled", False) for name in TOWERS)
 
 
 @contextlib.contextmanager

@@ -209,7 +209,7 @@ class Lamb(GuardedStep, torch.optim.Optimizer):
         else:
             scale = None if grad_scale is None else float(grad_scale)
             updates, squares = sweep_cpu(slots, self.eps_inside_sqrt, scale)
-        index, high, low = self._tensor_table(items, num_tensors, device)
+        index, high, low, stepped = self._tensor_table(items, num_tensors, device)
         # rows: squared norms of w and of u per tensor; float64 so that fragments add up exactly enough
         sums = torch.zeros(2, num_tensors, dtype=torch.float64, device=device)
         sums.index_add_(1, index, squares.to(device))
@@ -221,7 +221,7 @@ class Lamb(GuardedStep, torch.optim.Optimizer):
         ratio = torch.where(ratio > high, high, ratio)
         ratio = torch.where(ratio < low, low, ratio)
         ratio = torch.where((weight_norm != 0) & (update_norm != 0), ratio, torch.ones_like(ratio))
-        self._last_ratios = (ratio, index.unique())  # FusedLamb keeps the last step's coefficients only
+        self._last_ratios = (ratio, stepped)  # FusedLamb keeps the last step's coefficients only
         step_sizes = [self._step_size(param, group) for param, group, frags in items for _ in frags]
         apply_updates(slots, updates, ratio[index], step_sizes, multi)
 
@@ -256,8 +256,9 @@ class Lamb(GuardedStep, torch.optim.Optimizer):
         return -step_size
 
     def _tensor_table(self, items, num_tensors: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """The model tensor of every fragment, and each tensor's trust-ratio bounds, on the device: made
-        once per layout and bounds and kept, so that no step copies them there (a copy waits on CUDA)."""
+        """The model tensor of every fragment, each tensor's trust-ratio bounds and the tensors stepped
+        (sorted), on the device: made once per layout and bounds and kept, so that no step copies them
+        there or finds the stepped ones there (a copy, or a ``unique`` on CUDA, waits for the device)."""
         frag_tensors = tuple(f.tensor for _, _, fs in items for f in fs)
         bounds = tuple((f.tensor, g["max_coeff"], g["min_coeff"]) for _, g, fs in items for f in fs)
         key = (frag_tensors, bounds, num_tensors, device)
@@ -267,7 +268,8 @@ class Lamb(GuardedStep, torch.optim.Optimizer):
             for tensor, max_coeff, min_coeff in bounds:
                 high[tensor], low[tensor] = max_coeff, min_coeff
             index = torch.tensor(frag_tensors, dtype=torch.long)
-            self._tables = {"key": key, "table": tuple(t.to(device) for t in (index, high, low))}
+            table = (index, high, low, index.unique())
+            self._tables = {"key": key, "table": tuple(t.to(device) for t in table)}
         return self._tables["table"]
 
 

@@ -67,10 +67,8 @@ def sweep_cpu(
             if grad_scale is not None:
                 slot.g.mul_(grad_scale)
             _moments_of_chunk(slot.w, slot.g, slot.m, slot.v, u, *slot.settings, eps_inside_sqrt)
-            squares = (torch.linalg.vector_norm(t, dtype=torch.float64).square().item() for t in (slot.w, u))
-            sums.append(
-                tuple(squares)
-            )  # one fragment: a whole tensor (ZeRO's flat partitions are contiguous)
+            # one fragment: a whole tensor (ZeRO's flat partitions are contiguous)
+            sums.append(tuple(_squared_norm(t) for t in (slot.w, u)))
             continue
         arrays = (slot.w.view(-1), slot.g.view(-1), slot.m.view(-1), slot.v.view(-1), u.view(-1))
         for start, length, measured in _segments(slot.w.numel(), slot.fragments):
@@ -85,6 +83,10 @@ def sweep_cpu(
             if measured:
                 sums.append((weight_sq, update_sq))
     return updates, torch.tensor(sums, dtype=torch.float64).reshape(-1, 2).T
+
+
+def _squared_norm(tensor: torch.Tensor) -> float:
+    return torch.linalg.vector_norm(tensor, dtype=torch.float64).square().item()
 
 
 def _segments(numel: int, frags: Sequence[Fragment]) -> list[tuple[int, int, bool]]:

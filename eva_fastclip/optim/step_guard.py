@@ -8,8 +8,9 @@ applies a non-finite step. Here the optimizer does both itself, in two passes ov
 1. the global norm: one multi-tensor norm (a norm per tensor) and the norm of those, on the device (on a
    CPU a dot product per tensor, twice as fast there);
 2. the clip: every gradient times min(1, max_norm / (norm + 1e-6)) (DeepSpeed's and torch's coefficient),
-   one multi-tensor multiply by a device scalar (torch's fused AdamW takes it as ``grad_scale`` instead:
-   no pass of its own).
+   a device scalar the optimizer applies: one multi-tensor multiply (our LAMB on a GPU), chunk by chunk in
+   its one sweep (our LAMB on a CPU: optim/lamb_passes.py), or as fused AdamW's ``grad_scale`` (no pass
+   of its own).
 
 A step whose norm is not finite is not taken: ``overflow`` is True, as DeepSpeed's wrappers report a
 skipped step, so ``engine.was_step_applied()`` is False, the schedule does not advance and the trainer's
@@ -64,10 +65,6 @@ class GuardedStep:
     def guard_gradients(self, max_norm: float) -> None:
         """Clip by the global norm at ``max_norm`` (0: never) and skip non-finite steps, in ``step``."""
         self._guard = GradientGuard(max_norm)
-
-    @property
-    def guarded(self) -> bool:
-        return self._guard is not None
 
     @property
     def _global_grad_norm(self) -> torch.Tensor | None:

@@ -89,12 +89,8 @@ def train_config(command: list[str]):
     train = command[command.index("train") + 1 :] if "train" in command else []
     if option(train, "--config") is None:
         return None
-    # argparse takes --set K=V and --set=K=V alike
-    overrides = [train[i + 1] for i, arg in enumerate(train[:-1]) if arg == "--set"]
-    overrides += [arg.split("=", 1)[1] for arg in train if arg.startswith("--set=")]
-    overrides.sort(key=lambda item: _position(train, item))  # the order the command gives them: last wins
     try:
-        return load_config(option(train, "--config"), overrides)
+        return load_config(option(train, "--config"), _overrides(train))
     except Exception:  # noqa: BLE001
         return None
 
@@ -115,12 +111,16 @@ def resumed_step(command: list[str]) -> str:
     return f"step {checkpoint.read_marker(latest)['step']} ({latest})"
 
 
-def _position(args: list[str], override: str) -> int:
-    """Where ``override`` stands in ``args`` (as ``--set`` ``K=V`` or ``--set=K=V``)."""
+def _overrides(args: list[str]) -> list[str]:
+    """The ``K=V`` of every ``--set K=V`` and ``--set=K=V`` (argparse takes both) in ``args``, in the
+    command's order: the last of a key wins."""
+    overrides = []
     for i, arg in enumerate(args):
-        if arg in (override, f"--set={override}"):
-            return i
-    return len(args)
+        if arg == "--set" and i + 1 < len(args):
+            overrides.append(args[i + 1])
+        elif arg.startswith("--set="):
+            overrides.append(arg.split("=", 1)[1])
+    return overrides
 
 
 def ssh_options(command: list[str]) -> list[str]:

@@ -109,11 +109,6 @@ def layout_config(
     return cfg
 
 
-def stage_config(ds: dict[str, Any], stage: int) -> dict[str, Any]:
-    """The DeepSpeed JSON a probe of ``stage`` runs (bf16 by autocast at stage 0: plan/precision.py)."""
-    return at_stage(ds, stage)
-
-
 @contextlib.contextmanager
 def quiet_set_up():
     """Each probe builds a Trainer: keep its start-up lines (layout, kernels, precision, DeepSpeed's
@@ -159,7 +154,7 @@ def model_probe(
         with quiet_set_up(), tracker or contextlib.nullcontext():
             batches = SyntheticBatches(candidate.micro_batch, image_shape, context_length, rank, table_rows)
             trainer = build_trainer(
-                probe_cfg, stage_config(ds, candidate.zero_stage), loader=batches, watchdog=watchdog
+                probe_cfg, at_stage(ds, candidate.zero_stage), loader=batches, watchdog=watchdog
             )
             for step in range(1 + steps):
                 start = time.perf_counter()
@@ -269,7 +264,7 @@ def data_probe(
     trainer = None
     try:
         with quiet_set_up():
-            trainer = build_trainer(probe_cfg, stage_config(ds, candidate.zero_stage), watchdog=watchdog)
+            trainer = build_trainer(probe_cfg, at_stage(ds, candidate.zero_stage), watchdog=watchdog)
         world = trainer.world_size
         data_wait = DataWait(workers, trainer.layout.per_rank, world, cores=cores_per_rank())
         done = 0
