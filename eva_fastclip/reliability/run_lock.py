@@ -10,12 +10,13 @@ their step logs and overwrite each other's checkpoints.
 A holder that died without giving the lock up (SIGKILL, a lost node, the second stop signal's ``os._exit``)
 leaves a stale lock, taken over and logged:
 
-- on the holder's own host, its pid is gone, a zombie, or another process (the start time recorded in the
-  lock differs: pids are reused);
-- on another host (a shared file system; a replacement pod is on another host), its heartbeat stopped: the
-  holder rewrites the lock with a new beat count every :data:`HEARTBEAT_S`. One untouched for
-  :data:`STALE_S` is stale at once; a younger one is watched for :data:`WATCH_S`, and stale if no beat
-  came. Counts, not clocks: the hosts' clocks and an NFS client's cached file times do not enter.
+- where its pid means what it meant to the holder (the same host, boot and PID namespace: containers
+  with host networking share a host name, not their pids), its pid is gone, a zombie, or another process
+  (the start time recorded in the lock differs: pids are reused);
+- anywhere else (a shared file system; a replacement pod is on another host), its heartbeat stopped: the
+  holder rewrites the lock with a new beat count every :data:`HEARTBEAT_S`, and a lock whose count did
+  not move in :data:`WATCH_S` (this host's monotonic clock) is stale. Counts, not clocks: no decision
+  compares two hosts' clocks, nor this host's clock with a file server's times.
 
 A takeover renames the stale lock away first and checks that it renamed the holder it judged, so that of
 two runs taking over at once only one holds the folder.
@@ -24,7 +25,8 @@ Once rank 0 holds the folder, every rank marks itself present in ``run.lock.rank
 marks itself leaving as it exits. The launch supervisor (reliability/supervisor.py) reads all of it: it
 refuses to start a run on a folder held by a live run; after its launch it waits until every rank has
 left, and on its own host until their processes have ended (on several nodes most ranks are not its
-descendants); and it returns the code ``run_exit.json`` records, which DeepSpeed's runner does not pass on
+descendants; the marks of other hosts are judged by their beat counts, :class:`BeatWatch`); and it
+returns the code ``run_exit.json`` records, which DeepSpeed's runner does not pass on
 when a signal ended it first.
 
 Light on purpose: the supervisor imports it.
@@ -33,6 +35,7 @@ Light on purpose: the supervisor imports it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -50,8 +53,11 @@ RANKS_DIR = "run.lock.ranks"  # rank_N.json: rank N's host and pid while it runs
 EXIT_FILE = "run_exit.json"
 #: how often the holder touches its lock, and how long untouched makes a lock on another host stale
 HEARTBEAT_S = 10.0
+WATCH_S = 2.5 * HEARTBEAT_S  # how long a lock from another host is watched for a beat before a takeover
+UNREADABLE_S = 2.0  # how long an unreadable lock must stay unchanged to be taken over (not being written)
+#: how long the supervisor waits for a mark from another host whose beat count stands still (a rank busy
+#: with a save on a slow shared file system may beat late; waiting too long costs little there)
 STALE_S = 120.0
-WATCH_S = 2.5 * HEARTBEAT_S  # how long a lock from another host is watched for a beat
 
 
 class FolderHeld(ValueError):
@@ -69,6 +75,7 @@ class Holder:
     lock: Path
     left: bool = False  # a rank's mark: it has given its part up and is exiting
     beat: int = 0  # the heartbeats so far
+    place: str | None = None  # where its pid means something (:func:`pid_space`); None: an older record
 
     @property
     def identity(self) -> tuple[str, int, float]:
@@ -82,20 +89,53 @@ class Holder:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
         return f"host {self.host}, pid {self.pid}, since {since}"
 
+    @property
+    def local(self) -> bool:
+        """Whether its pid can be looked up here: the same host name, boot and PID namespace."""
+        return self.host == socket.gethostname() and self.place in (None, pid_space())
+
     def why_stale(self) -> str | None:
-        """Why this holder is dead, or None while it lives."""
-        if self.host == socket.gethostname():
-            start = process_start_time(self.pid)
-            if start is None:
-                return f"pid {self.pid} is gone"
-            if self.process_start is not None and start != self.process_start:
-                return f"pid {self.pid} is another process now"
-            return None
-        try:
-            age = time.time() - self.lock.stat().st_mtime
-        except FileNotFoundError:
-            return "its lock is gone"
-        return f"no heartbeat from {self.host} for {age:.0f} s" if age > STALE_S else None  # else: watch
+        """Why this holder is dead as this process can tell at once (its pid), or None: alive, or only its
+        beat count can tell (:class:`BeatWatch`, :func:`_no_beat`)."""
+        if not self.local:
+            return None if self.lock.exists() else "its lock is gone"
+        start = process_start_time(self.pid)
+        if start is None:
+            return f"pid {self.pid} is gone"
+        if self.process_start is not None and start != self.process_start:
+            return f"pid {self.pid} is another process now"
+        return None
+
+
+@functools.cache
+def pid_space() -> str:
+    """Where this process's pids mean what they say: this boot of this kernel and this PID namespace."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:  # no /proc (not Linux): the host name alone
+        return ""
+    return f"{boot}/{namespace}"
+
+
+class BeatWatch:
+    """Whether the marks of other hosts live, by their beat counts seen to move on this host's monotonic
+    clock: one whose count stood still for ``patience`` seconds is gone. A mark this host can look up is
+    judged by its pid. One watch is kept across the reads (the supervisor polls)."""
+
+    def __init__(self, patience: float = STALE_S) -> None:
+        self.patience = patience
+        self._seen: dict[tuple, tuple[int, float]] = {}  # identity -> (beat, when it was first seen)
+
+    def alive(self, holder: Holder) -> bool:
+        if holder.local:
+            return holder.why_stale() is None
+        now = time.monotonic()
+        beat, since = self._seen.get(holder.identity, (None, now))
+        if beat != holder.beat:
+            self._seen[holder.identity] = (holder.beat, now)
+            return True
+        return now - since <= self.patience
 
 
 def process_start_time(pid: int) -> int | None:
@@ -127,35 +167,36 @@ def _read(path: Path) -> Holder | None:
     except (FileNotFoundError, ValueError):
         return None
     fields = (record["host"], record["pid"], record["started"], record.get("process_start"), path)
-    return Holder(*fields, left=bool(record.get("left")), beat=record.get("beat", 0))
+    extra = {"left": bool(record.get("left")), "beat": record.get("beat", 0), "place": record.get("place")}
+    return Holder(*fields, **extra)
 
 
-def running_ranks(output_dir: Path, since: float) -> list[Holder]:
-    """The ranks of the run started after ``since`` (time.time()) that have not ended: alive and still
-    in the run, or on this host, leaving but not yet exited (their process is looked at; on another host
-    only their mark can be)."""
+def marks(output_dir: Path) -> list[Holder]:
+    """The folder's lock and rank marks, alive or not."""
+    found = [_read(path) for path in sorted((Path(output_dir) / RANKS_DIR).glob("rank_*.json"))]
+    return [mark for mark in [read_holder(output_dir), *found] if mark is not None]
+
+
+def running_ranks(output_dir: Path, beats: BeatWatch) -> list[Holder]:
+    """The ranks that have not ended: alive and still in the run, or where their pid can be looked up,
+    leaving but not yet exited (elsewhere only their mark can be read)."""
     found = (_read(path) for path in sorted((Path(output_dir) / RANKS_DIR).glob("rank_*.json")))
     return [
-        rank
-        for rank in found
-        if rank is not None
-        and rank.started >= since
-        and (not rank.left or rank.host == socket.gethostname())
-        and rank.why_stale() is None
+        rank for rank in found if rank is not None and (not rank.left or rank.local) and beats.alive(rank)
     ]
 
 
-def live_holder(output_dir: Path) -> Holder | None:
+def live_holder(output_dir: Path, beats: BeatWatch) -> Holder | None:
     """The live run that holds ``output_dir``, or None."""
     holder = read_holder(output_dir)
-    return holder if holder is not None and holder.why_stale() is None else None
+    return holder if holder is not None and beats.alive(holder) else None
 
 
 def held_here(output_dir: Path) -> Holder | None:
     """The live run on this host that holds ``output_dir``, or None. One on another host is rank 0's to
     judge (acquire() watches its heartbeat): a replacement pod must not be refused by a dead pod's lock."""
-    holder = live_holder(output_dir)
-    return holder if holder is not None and holder.host == socket.gethostname() else None
+    holder = read_holder(output_dir)
+    return holder if holder is not None and holder.local and holder.why_stale() is None else None
 
 
 def held_message(output_dir: Path, holder: Holder) -> str:
@@ -165,19 +206,21 @@ def held_message(output_dir: Path, holder: Holder) -> str:
     )
 
 
-def read_exit(output_dir: Path, since: float) -> dict | None:
-    """``run_exit.json`` when a run that ended after ``since`` (time.time()) wrote it, else None."""
+def read_exit(output_dir: Path) -> dict | None:
+    """``run_exit.json``, or None. Which run wrote it is told by comparing it with the record read before
+    a launch, not by its time (another host's clock)."""
     try:
         record = json.loads((Path(output_dir) / EXIT_FILE).read_text())
     except (FileNotFoundError, ValueError):
         return None
-    return record if record.get("ended", 0) >= since else None
+    return record if isinstance(record, dict) and "code" in record else None
 
 
 def _record() -> dict:
     pid = os.getpid()
     started = process_start_time(pid)
-    return {"host": socket.gethostname(), "pid": pid, "started": time.time(), "process_start": started}
+    return {"host": socket.gethostname(), "pid": pid, "started": time.time(), "process_start": started,
+            "place": pid_space()}  # fmt: skip
 
 
 class RunLock:
@@ -239,10 +282,12 @@ class RunLock:
         if holder is None:  # being written by another run this moment, or unreadable: look again
             time.sleep(0.2)
             holder = read_holder(self.output_dir)
-            if holder is None:
+            if holder is None:  # unreadable and unchanged for UNREADABLE_S: nobody is writing it
                 with contextlib.suppress(OSError):
-                    if time.time() - self.path.stat().st_mtime > 5:
-                        log.warning("%s is unreadable: taken over", self.path)
+                    before = self.path.read_bytes()
+                    time.sleep(UNREADABLE_S)
+                    if read_holder(self.output_dir) is None and self.path.read_bytes() == before:
+                        log.warning("%s is unreadable (%r): taken over", self.path, before[:80])
                         self.path.unlink(missing_ok=True)
                 return
         why = holder.why_stale() or _no_beat(holder)
@@ -305,8 +350,8 @@ def _write(path: Path, record: dict) -> None:
 
 
 def _no_beat(holder: Holder) -> str | None:
-    """A lock from another host younger than STALE_S: stale unless a beat comes within WATCH_S."""
-    if holder.host == socket.gethostname():
+    """A lock from another host: stale unless a beat comes within WATCH_S."""
+    if holder.local:
         return None
     deadline = time.monotonic() + WATCH_S
     while time.monotonic() < deadline:

@@ -52,9 +52,11 @@ from eva_fastclip.reliability.restarts import (
 )
 from eva_fastclip.reliability.run_lock import (
     STALE_S,
+    BeatWatch,
     held_here,
     held_message,
     live_holder,
+    marks,
     read_exit,
     running_ranks,
 )
@@ -64,8 +66,6 @@ from eva_fastclip.reliability.signals import STOP_SIGNALS
 GROUP_EXIT_S = 60.0
 #: how long a stop's save may take before the supervisor gives up on it (a scheduler's grace ends first)
 STOP_WAIT_S = 3600.0
-#: how far the clocks of a run's hosts may differ (a rank's mark says when it started, by its host's clock)
-SKEW_S = 300.0
 
 
 def log(message: str) -> None:
@@ -109,8 +109,10 @@ class Launch:
         self.command, self.output_dir, self.stops = command, output_dir, stops
         self.me = psutil.Process()
         self.before = {p.pid for p in self.me.children(recursive=True)}  # not this launch's (tests)
-        self.started = time.time()
-        self.earlier = {h.identity for h in self._live_marks()}  # another run's: not waited for
+        self.beats = BeatWatch()  # the marks of other hosts live while their beat counts move
+        # what an earlier run left: its marks are not waited for, its exit record is not this launch's
+        self.earlier = {h.identity for h in marks(output_dir)} if output_dir is not None else set()
+        self.exit_before = read_exit(output_dir) if output_dir is not None else None
         self.proc = subprocess.Popen(command, start_new_session=True)
         stops.launch = self
         if stops.signals:  # asked before the launch began
@@ -153,7 +155,8 @@ class Launch:
         self._wait_for_the_rest()
         self.stops.launch = None
         code = 128 - code if code < 0 else code
-        record = read_exit(self.output_dir, self.started) if self.output_dir is not None else None
+        record = read_exit(self.output_dir) if self.output_dir is not None else None
+        record = None if record == self.exit_before else record
         # a signal ended the runner (or its handler's 1 on several nodes), or its launch.py was killed
         # and it returned 0: the ranks' own code
         overrides = record is not None and (
@@ -193,17 +196,16 @@ class Launch:
             time.sleep(0.2)
 
     def _ranks_present(self) -> list:
-        """The ranks of this launch (on any host) still marked present in the output folder: not there
-        before it began, and started within SKEW_S of it (the hosts' clocks may differ)."""
-        since = self.started - SKEW_S
-        return [h for h in self._live_marks() if h.started >= since and h.identity not in self.earlier]
+        """The ranks of this launch (on any host) still marked present in the output folder: those not
+        there before it began (no clock is compared: a rank's mark is timed by its own host's)."""
+        return [h for h in self._live_marks() if h.identity not in self.earlier]
 
     def _live_marks(self) -> list:
         """The output folder's live lock and rank marks."""
         if self.output_dir is None:
             return []
-        marks = [live_holder(self.output_dir), *running_ranks(self.output_dir, 0.0)]
-        return [mark for mark in marks if mark is not None]
+        found = [live_holder(self.output_dir, self.beats), *running_ranks(self.output_dir, self.beats)]
+        return [mark for mark in found if mark is not None]
 
 
 def _is_launcher(proc: psutil.Process) -> bool:
