@@ -27,6 +27,7 @@ EXAMPLES = {
         [Problem("data.num_samples", "s3:// shards record no size: set data.num_samples"), Problem("a", "b")]
     ),
     "BadSample": lambda cls: cls("decode", "shard-000001.tar", "sample 7: cannot identify image file"),
+    "CommandFailed": lambda cls: cls("curl -s -f http://host/shard-000001.tar", 18),
 }
 
 

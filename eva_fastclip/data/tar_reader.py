@@ -7,18 +7,19 @@ alike and a reader of part of it (``first`` to ``stop``) reads past the rest wit
 
 from __future__ import annotations
 
-import contextlib
 import io
 import logging
 import re
 import tarfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import PIL.Image
-import webdataset as wds
 from torch import Tensor
 from webdataset.tariterators import base_plus_ext
+
+from .shard_io import command_failure, open_shard
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,8 @@ SKIP_REASONS = (
     "no_usable_index",  # only for a loss with per-sample state: .json or its index missing or out of range
     "duplicate_key",  # a key seen before in the same shard: the first sample under it is kept
     "incomplete",  # no image or no .txt member, e.g. the last sample of a shard cut short
-    "unreadable_shard",  # a shard that cannot be opened or read at all: counted once per attempt
+    "unreadable_shard",  # a shard without a count that cannot be opened or read at all: once per attempt
+    "unread",  # samples a shard's record counts that were not there: after a read error, or an early end
 )
 """Why the training loader skips a sample; the counts are logged per reason (``train/data/skipped/*``)."""
 
@@ -92,10 +94,14 @@ class FailureLog:
 
     def skip(self, bad: BadSample) -> None:
         """Count one skipped sample (or unreadable shard) and log the first few of this process."""
+        self.skip_many(bad, 1)
+
+    def skip_many(self, bad: BadSample, samples: int) -> None:
+        """Count ``samples`` skipped for one cause, logged as one line (among the first few)."""
         if self.muted:
             return
-        self.counts[SKIP_REASONS.index(bad.reason)] += 1
-        self.warn(f"skipping a sample ({bad.reason}): {bad}")
+        self.counts[SKIP_REASONS.index(bad.reason)] += samples
+        self.warn(f"skipping {'a sample' if samples == 1 else f'{samples} samples'} ({bad.reason}): {bad}")
         self._count_failure(bad.url, str(bad))
 
     def warn(self, message: str) -> None:
@@ -126,53 +132,111 @@ class FailureLog:
 
 
 def shard_samples(
-    url: str, failures: FailureLog, first: int = 0, stop: int | None = None
+    url: str, failures: FailureLog, first: int = 0, stop: int | None = None, count: int | None = None
 ) -> Iterator[dict[str, Any]]:
     """One shard's undecoded samples numbered ``first`` up to ``stop`` (None: its end), its problems counted
     in ``failures``: its members grouped by key as webdataset groups them, except that a key names one
     sample. A later group under a key seen before in the shard (right after it or further on) is skipped
     and counted and the first kept, where webdataset drops the repeat member by member, or merges the two.
+
     A read error ends the shard and every sample before it is kept: a sample cut after some of its members
-    is passed on and judged like any other; one cut at its first member is counted as incomplete at once,
-    before the sample ahead of it is passed on.
+    is passed on and judged like any other; one cut at its first member is counted as incomplete; and every
+    later one of this reader's numbers, up to ``stop`` or the shard's ``count`` (its record's), is counted
+    as unread, with one line naming the shard, the numbers and the error. Without either the number lost
+    is unknown, and the line says so. A shard that ends, with no error, before its ``count`` (a copy cut
+    at a member's boundary reads as a whole tar) has the samples it lacks counted as unread too. All of it
+    is counted before the sample ahead of the end is passed on (a consumer may stop at it).
 
     Samples are numbered as kept, so every reader of the shard numbers them alike; those before
     ``first`` are read past (their bytes, never decoded), and a problem is counted only by the reader
     whose numbers it falls among, so a shard split between consumers counts each skip once."""
     seen: set[str] = set()
     group: dict[str, Any] | None = None
-    failed = False
     kept = 0  # samples kept so far: the number of the next one
-
-    def ours() -> bool:
-        return first <= kept and (stop is None or kept < stop)
-
+    repeats = 0  # samples under a key seen before: in a record's count, not numbered
+    error, cut = None, None
     for key, extension, data in tar_members(url):
         new = key is not None and (group is None or group["__key__"] != key or extension in group)
         if isinstance(data, Exception):
-            failed = True
-            if ours():
-                failures.warn(f"{url}: unreadable from here on, the rest is lost: {data!r}")
-                if new:
-                    message = f"shard {url}, sample {key!r}: cut short at its first member ({data!r})"
-                    failures.skip(BadSample("incomplete", url, message))
-                elif group is None:  # not one member could be read
-                    failures.skip(BadSample("unreadable_shard", url, f"{url}: {data!r}"))
+            error, cut = data, key if new else None
             break  # the last item: the shard's stream is broken
         if new:
-            if group is not None and _first_of_key(group, seen, failures if ours() else None):
+            judge = failures if _ours(kept, first, stop) else None
+            if group is not None and _first_of_key(group, seen, judge):
                 if kept >= first:
                     yield group
                 kept += 1
                 if stop is not None and kept >= stop:
                     return
+            elif group is not None:
+                repeats += 1
             group = {"__key__": key, "__url__": url}
         group[extension] = data
-    if group is not None:
-        if _first_of_key(group, seen, failures if ours() else None) and kept >= first:
-            yield group
-    elif not failed and first == 0:
+    judge = failures if _ours(kept, first, stop) else None
+    last = group is not None and _first_of_key(group, seen, judge)
+    read = _Read(url, first, stop, count, repeats + (group is not None and not last))
+    if error is not None:
+        read.count_the_rest(failures, error, cut, kept + last)
+    elif count is not None:
+        read.count_the_shortfall(failures, kept + last)
+    elif group is None and first == 0:
         failures.note_empty_shard(url)
+    if last and kept >= first:
+        yield group
+
+
+def _ours(number: int, first: int, stop: int | None) -> bool:
+    return first <= number and (stop is None or number < stop)
+
+
+@dataclass(frozen=True)
+class _Read:
+    """One reader's part of a shard: the sample numbers [first, stop), of ``count`` (its record's)."""
+
+    url: str
+    first: int
+    stop: int | None
+    count: int | None
+    repeats: int  # samples of the shard under a key seen before: in its count, not numbered
+
+    def count_the_rest(self, failures: FailureLog, error: Exception, cut: str | None, ahead: int) -> None:
+        """Count what a read error at sample number ``ahead`` leaves undelivered of this reader's numbers:
+        the sample ``cut`` at its first member (its key; None where the error fell between samples or
+        inside the one before), then every later one, up to ``stop`` or ``count``."""
+        url, first, stop = self.url, self.first, self.stop
+        if cut is not None:
+            if _ours(ahead, first, stop):
+                message = f"shard {url}, sample {ahead} ({cut!r}): cut short at its first member ({error!r})"
+                failures.skip(BadSample("incomplete", url, message))
+            ahead += 1
+        end = self._end()
+        if end is None:  # nothing says how many samples the shard holds
+            if ahead == 0 and first == 0:  # not one member could be read
+                failures.skip(BadSample("unreadable_shard", url, f"{url}: {error!r}"))
+            elif ahead >= first:
+                failures.warn(
+                    f"{url}: unreadable from sample {ahead} on ({error!r}); how many samples are lost is "
+                    "unknown: no record (manifest.json, sizes.json, *_stats.json) counts this shard's samples"
+                )
+            return
+        self._unread(failures, range(max(ahead, first), end), f"after a read error ({error!r})")
+
+    def count_the_shortfall(self, failures: FailureLog, ahead: int) -> None:
+        """Count the samples of this reader's numbers that a shard ending cleanly at ``ahead`` lacks."""
+        end = self._end()
+        why = f"the shard ended after {ahead + self.repeats} of the {self.count} samples its record counts"
+        self._unread(failures, range(max(ahead, self.first), end if end is not None else 0), why)
+
+    def _end(self) -> int | None:
+        """Where this reader's numbers end: ``stop``, else the shard's count less its repeats."""
+        if self.stop is not None:
+            return self.stop
+        return None if self.count is None else self.count - self.repeats
+
+    def _unread(self, failures: FailureLog, lost: range, why: str) -> None:
+        if lost:
+            message = f"{self.url}: samples {lost.start} to {lost.stop - 1} unread: {why}"
+            failures.skip_many(BadSample("unread", self.url, message), len(lost))
 
 
 def _first_of_key(group: dict[str, Any], seen: set[str], failures: FailureLog | None) -> bool:
@@ -191,10 +255,12 @@ def _first_of_key(group: dict[str, Any], seen: set[str], failures: FailureLog | 
 def tar_members(url: str) -> Iterator[tuple[str | None, str, bytes | Exception]]:
     """(key, extension, bytes) of every file in the tar shard at ``url``, named as webdataset names them
     (the key is the path up to the file name's first dot; the extension is lower-cased). A read error ends
-    it with (key, extension, error) if a member's data failed, else (None, "", error)."""
-    key, extension = None, ""
+    it with (key, extension, error) if a member's data failed, else (None, "", error); a ``pipe:``
+    command that failed is the error, where its output's early end made one, or where the tar ended
+    cleanly at its end."""
+    key, extension, stream = None, "", None
     try:
-        with contextlib.closing(wds.gopen(url)) as stream, tarfile.open(fileobj=stream, mode="r|*") as tar:
+        with open_shard(url) as stream, tarfile.open(fileobj=stream, mode="r|*") as tar:
             for member in tar:
                 tar.members = []  # a stream keeps every header it read: drop them, as webdataset does
                 if not member.isreg() or _META_MEMBER.match(member.name):
@@ -206,8 +272,10 @@ def tar_members(url: str) -> Iterator[tuple[str | None, str, bytes | Exception]]
                 data = tar.extractfile(member).read()
                 yield key, extension, data
                 key, extension = None, ""
+        if (failed := command_failure(stream)) is not None:
+            yield None, "", failed
     except Exception as exn:  # missing, not a tar, cut short, a failing pipe: command
-        yield key, extension, exn
+        yield key, extension, command_failure(stream) or exn
 
 
 def decode_image(data: bytes) -> PIL.Image.Image:

@@ -286,6 +286,7 @@ class TrainLoader:
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor, Tensor, Tensor]]:
         self._skips.restart()  # the streams start counting anew
+        before = self.skipped_by_reason
         position = self._position
         if position.start >= self.num_batches:  # resumed at the epoch's end: no worker to start
             return
@@ -310,12 +311,19 @@ class TrainLoader:
             topped_up += stream[0] > 0 and self._plan.by_samples and not self.resampled
             yield images, tokens, indices, keys
         if topped_up:
-            logger.warning(
-                "epoch %d, rank %d: %d of %d batches drew on samples outside their worker's share of the "
-                "epoch (some drawn twice this epoch): its range held fewer usable samples than its batches "
-                "take. Samples skipped so far: %d; otherwise a shard holds fewer samples than its record",
-                self.epoch, self.rank, topped_up, position.batches - position.start, self.skipped,
-            )  # fmt: skip
+            logger.warning("%s", self._coverage_gap(topped_up, position.batches - position.start, before))
+
+    def _coverage_gap(self, topped_up: int, batches: int, before: dict[str, int]) -> str:
+        """The report of an epoch that did not draw every sample once on this rank: what it skipped."""
+        now = self.skipped_by_reason
+        skipped = {reason: now[reason] - before[reason] for reason in now if now[reason] > before[reason]}
+        why = ", ".join(f"{reason} {n}" for reason, n in skipped.items())
+        return (
+            f"epoch {self.epoch}, rank {self.rank}: not every sample of its share was drawn once: "
+            f"{sum(skipped.values())} skipped this epoch ({why or 'none'}), and {topped_up} of {batches} "
+            "batches drew on samples outside their worker's share in their place (from the remainder, or "
+            "drawn twice)" + ("" if skipped else ": a shard holds fewer samples than its record")
+        )
 
     def to_device(self, images: Tensor | list, device: torch.device, dtype: torch.dtype) -> Tensor:
         """A batch's images as the model takes them, on ``device``: decoded there (``decode_device``),

@@ -81,6 +81,8 @@ class WorkerStreams:
     ) -> None:
         self.urls, self.plan, self.failures, self.cum_weights = urls, plan, failures, cum_weights
         self.seed, self.rank, self.resampled, self.shuffle_buffer = seed, rank, resampled, shuffle_buffer
+        # each shard's samples as its record says: what a read error cut off is counted from them
+        self._counts = dict(zip(plan.urls, plan.recorded)) if plan.recorded is not None else {}
 
     def samples(self, epoch: int, position: EpochPosition) -> Iterator[dict[str, Any]]:
         """This rank's and worker's endless stream of undecoded samples for ``epoch``, from ``position``."""
@@ -187,7 +189,7 @@ class WorkerStreams:
         """The samples of whole shards, or of segments (shard, first, stop) of them."""
         for item in shard_urls:
             url, first, stop = (item, 0, None) if isinstance(item, str) else item
-            yield from shard_samples(url, self.failures, first, stop)
+            yield from shard_samples(url, self.failures, first, stop, self._counts.get(url))
 
 
 def shuffle(samples: Iterable[Any], rng: random.Random, size: int, buffer: list[Any]) -> Iterator[Any]:
