@@ -421,7 +421,7 @@ def test_expand_urls(tmp_path):
     assert expand_urls(str(shards / "shard-{000000..000002}.tar")) == names
     assert expand_urls(f"{names[2]}::{shards}/shard-00000{{0,1}}.tar") == [names[2], names[0], names[1]]
     assert expand_urls([str(shards), names[0]]) == names + [names[0]]
-    assert expand_urls("s3://bucket/shard-{0..2}.tar") == [f"s3://bucket/shard-{i}.tar" for i in range(3)]
+    assert expand_urls("pipe:cat s-{0..2}.tar") == [f"pipe:cat s-{i}.tar" for i in range(3)]
     with pytest.raises(FileNotFoundError, match=r"1 of 4 shards do not exist"):
         expand_urls(str(shards / "shard-{000000..000003}.tar"))
     with pytest.raises(FileNotFoundError, match="no shards"):
@@ -766,8 +766,8 @@ def test_openclip_sizes_json_and_len(tmp_path):
     (tmp_path / "sizes.json").write_text(json.dumps({"a.tar": -3}))
     with pytest.raises(ValueError, match=r"sizes\.json, 'a\.tar': -3 is not a sample count"):
         resolve_sizes([a], needs_index=False)
-    with pytest.raises(ValueError, match=r"s3://bucket/a\.tar is remote.*set data\.num_samples"):
-        resolve_sizes(["s3://bucket/a.tar"], needs_index=False)
+    with pytest.raises(ValueError, match=r"pipe:cat a\.tar is a command's output.*set data\.num_samples"):
+        resolve_sizes(["pipe:cat a.tar"], needs_index=False)  # (remote records: test_remote_data.py)
 
 
 def test_sizes_of_mixed_sources_add_up(tmp_path):

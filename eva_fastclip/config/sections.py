@@ -91,6 +91,11 @@ class DataConfig:
     image_decode: str = "workers"
     """Where training JPEGs are decoded: "workers" (the loader workers, on the CPU) or "gpu" (nvjpeg on the
     rank's GPU, cropped and resized there; the workers only read headers and draw the crops)."""
+    read_retries: int = 6
+    """Times a failed request for a remote shard's bytes is made again (a cut connection, a 5xx, a stall),
+    from the first byte not yet read; then the run saves and stops, naming the shard and the byte."""
+    retry_wait_s: float = 1.0
+    """The wait before the first retry; each next one waits twice as long (6 retries: about a minute)."""
 
     def __post_init__(self) -> None:
         if not self.train_shards:
@@ -107,6 +112,8 @@ class DataConfig:
                 )
         _positive("data.shuffle_buffer", self.shuffle_buffer, allow_zero=True)
         _positive("data.workers", self.workers, allow_zero=True)
+        _positive("data.read_retries", self.read_retries, allow_zero=True)
+        _positive("data.retry_wait_s", self.retry_wait_s, allow_zero=True)
         if self.num_samples is not None:
             _positive("data.num_samples", self.num_samples)
         if self.index_size is not None:

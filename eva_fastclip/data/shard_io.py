@@ -1,4 +1,4 @@
-"""A shard's bytes as a stream: a local file, or a ``pipe:`` command's output.
+"""A shard's bytes as a stream: a local file, a remote one (data/remote.py), or a ``pipe:`` command's output.
 
 A ``pipe:`` command (OpenCLIP's ``pipe:curl -s URL`` or ``pipe:aws s3 cp URL -``) is run here rather
 than through webdataset's ``gopen``, for two reasons:
@@ -19,6 +19,8 @@ import io
 import subprocess
 from collections.abc import Iterator
 from typing import BinaryIO
+
+from .remote import RemoteShard, Retries, is_remote
 
 PIPE_PREFIX = "pipe:"
 #: how long a command told to end may take before it is killed
@@ -76,10 +78,12 @@ def command_failure(stream: BinaryIO | None) -> CommandFailed | None:
 
 
 @contextlib.contextmanager
-def open_shard(url: str) -> Iterator[BinaryIO]:
-    """The shard at ``url`` as a binary stream, read front to back."""
+def open_shard(url: str, retries: Retries | None = None) -> Iterator[BinaryIO]:
+    """The shard at ``url`` as a binary stream, read front to back; a remote one's requests retried."""
     if url.startswith(PIPE_PREFIX):
         stream: BinaryIO = io.BufferedReader(CommandOutput(url[len(PIPE_PREFIX) :]), 1 << 20)
+    elif is_remote(url):
+        stream = RemoteShard(url, retries or Retries())  # (holds a chunk already: no buffer of its own)
     else:
         stream = open(url.removeprefix("file://"), "rb")  # noqa: SIM115 (closed below)
     try:

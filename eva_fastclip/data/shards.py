@@ -118,17 +118,22 @@ def read_manifest(path_or_dir: str | os.PathLike) -> dict[str, Any] | None:
         path = path / MANIFEST_NAME
     if not path.is_file():
         return None
+    return parse_manifest(path.read_bytes(), str(path))
+
+
+def parse_manifest(text: bytes | str, where: str) -> dict[str, Any] | None:
+    """:func:`read_manifest` of a manifest's text, read from ``where`` (a path or a URL)."""
     try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError:
+        manifest = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError):
         return None
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         return None
     missing = [key for key in ("shards", "samples_per_shard", "index_max") if key not in manifest]
     if missing:
-        raise ValueError(f"{path}: manifest lacks {missing}")
+        raise ValueError(f"{where}: manifest lacks {missing}")
     if len(manifest["shards"]) != len(manifest["samples_per_shard"]):
-        raise ValueError(f"{path}: 'shards' and 'samples_per_shard' have different lengths")
+        raise ValueError(f"{where}: 'shards' and 'samples_per_shard' have different lengths")
     return manifest
 
 

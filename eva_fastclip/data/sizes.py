@@ -41,7 +41,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .shards import MANIFEST_NAME, read_manifest
+from .remote import Retries, is_remote, list_names, read_bytes, url_fs
+from .shards import MANIFEST_NAME, parse_manifest
 
 FROM_MANIFEST = MANIFEST_NAME
 FROM_SIZES_JSON = "sizes.json"
@@ -114,14 +115,23 @@ def resolve_sizes(
     return DataSizes(num_samples, num_from, index_size, index_from, shard_counts)
 
 
-def _beside(shard: Path, suffix: str) -> Path:
+def _split(url: str) -> tuple[str, str]:
+    """A shard's folder and name (a local path or a remote URL)."""
+    if is_remote(url):
+        folder, _, name = url.rpartition("/")
+        return folder, name
+    path = Path(url)
+    return str(path.parent), path.name
+
+
+def _companion(shard_name: str, suffix: str) -> str:
     """img2dataset's companion file: 00012.tar -> 00012.parquet, 00012_stats.json."""
-    return shard.with_name(shard.name.removesuffix(".tar") + suffix)
+    return shard_name.removesuffix(".tar") + suffix
 
 
-def is_remote(url: str) -> bool:
-    """An object-store URL or a pipe: nothing beside it can be read here."""
-    return "://" in url or url.startswith("pipe:")
+def has_records(url: str) -> bool:
+    """Whether records can lie beside this shard: not a pipe: command's output."""
+    return not url.startswith("pipe:")
 
 
 def _count(value: Any, where: str) -> int:
@@ -134,22 +144,42 @@ def _count(value: Any, where: str) -> int:
     return count
 
 
-def _read_json(path: Path) -> Any:
+def _parse_json(text: bytes, where: str) -> Any:
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+        return json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{where}: not valid JSON ({exc})") from exc
 
 
 class _Folder:
-    """The records in one shard folder, each read when first needed."""
+    """The records in one shard folder, local or remote (one listing of it), each read when first needed."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, folder: str) -> None:
+        self.folder, self.remote = folder, is_remote(folder)
+
+    def where(self, name: str) -> str:
+        return f"{self.folder}/{name}" if self.remote else os.path.join(self.folder, name)
+
+    @cached_property
+    def names(self) -> set[str]:
+        try:
+            return list_names(self.folder, Retries()) if self.remote else set(os.listdir(self.folder))
+        except (FileNotFoundError, NotADirectoryError):
+            return set()
+
+    def read(self, name: str) -> bytes | None:
+        """The file ``name`` of the folder, or None where there is none."""
+        if name not in self.names:
+            return None
+        if self.remote:
+            return read_bytes(self.where(name), Retries())
+        path = Path(self.where(name))
+        return path.read_bytes() if path.is_file() else None
 
     @cached_property
     def manifest(self) -> dict[str, Any] | None:
-        return read_manifest(self.path)  # None for another tool's manifest.json
+        text = self.read(MANIFEST_NAME)  # None for another tool's manifest.json
+        return None if text is None else parse_manifest(text, self.where(MANIFEST_NAME))
 
     @cached_property
     def manifest_counts(self) -> dict[str, int]:
@@ -158,22 +188,29 @@ class _Folder:
 
     @cached_property
     def sizes_json(self) -> dict[str, int]:
-        path = self.path / "sizes.json"
-        if not path.is_file():
+        text, where = self.read("sizes.json"), self.where("sizes.json")
+        if text is None:
             return {}
-        sizes = _read_json(path)
+        sizes = _parse_json(text, where)
         if not isinstance(sizes, dict):
-            raise ValueError(f"{path}: expected an object {{shard name: sample count}}")
-        return {name: _count(count, f"{path}, {name!r}") for name, count in sizes.items()}
+            raise ValueError(f"{where}: expected an object {{shard name: sample count}}")
+        return {name: _count(count, f"{where}, {name!r}") for name, count in sizes.items()}
 
     @cached_property
     def total(self) -> int | None:
-        path = self.path / "__len__"
-        return _count(path.read_text().strip(), str(path)) if path.is_file() else None
+        text = self.read("__len__")
+        return None if text is None else _count(text.decode().strip(), self.where("__len__"))
 
     @cached_property
     def tar_names(self) -> list[str]:
-        return sorted(name for name in os.listdir(self.path) if name.endswith(".tar"))
+        return sorted(name for name in self.names if name.endswith(".tar"))
+
+    def parquet(self, name: str) -> Any:
+        """What pyarrow opens for the parquet ``name`` (a path, or a remote file)."""
+        if not self.remote:
+            return self.where(name)
+        fs, path = url_fs(self.where(name))
+        return fs.open(path, "rb")
 
 
 #: records to read beyond which the progress bar shows at once (else after 2 s)
@@ -188,38 +225,41 @@ def _progress(items: Sequence[Any], what: str) -> Any:
 class _Records:
     def __init__(self, index_key: str) -> None:
         self.index_key = index_key
-        self._folders: dict[Path, _Folder] = {}
-        self._counts: dict[Path, tuple[int, str] | None] = {}  # each shard's count, read once
+        self._folders: dict[str, _Folder] = {}
+        self._counts: dict[str, tuple[int, str] | None] = {}  # each shard's count, read once
 
-    def _folder(self, shard: Path) -> _Folder:
-        if shard.parent not in self._folders:
-            self._folders[shard.parent] = _Folder(shard.parent)
-        return self._folders[shard.parent]
+    def _folder(self, url: str) -> tuple[_Folder, str]:
+        """The folder a shard lies in, and its name there."""
+        folder, name = _split(url)
+        if folder not in self._folders:
+            self._folders[folder] = _Folder(folder)
+        return self._folders[folder], name
 
-    def _shard_count(self, shard: Path) -> tuple[int, str] | None:
-        if shard not in self._counts:
-            self._counts[shard] = self._read_shard_count(shard)
-        return self._counts[shard]
+    def _shard_count(self, url: str) -> tuple[int, str] | None:
+        if url not in self._counts:
+            self._counts[url] = self._read_shard_count(url)
+        return self._counts[url]
 
-    def _read_shard_count(self, shard: Path) -> tuple[int, str] | None:
-        folder = self._folder(shard)
-        if shard.name in folder.manifest_counts:
-            return folder.manifest_counts[shard.name], FROM_MANIFEST
-        if shard.name in folder.sizes_json:
-            return folder.sizes_json[shard.name], FROM_SIZES_JSON
-        stats = _beside(shard, "_stats.json")
-        if not stats.is_file():
+    def _read_shard_count(self, url: str) -> tuple[int, str] | None:
+        folder, name = self._folder(url)
+        if name in folder.manifest_counts:
+            return folder.manifest_counts[name], FROM_MANIFEST
+        if name in folder.sizes_json:
+            return folder.sizes_json[name], FROM_SIZES_JSON
+        stats = _companion(name, "_stats.json")
+        text = folder.read(stats)
+        if text is None:
             return None
-        record = _read_json(stats)
+        record = _parse_json(text, folder.where(stats))
         successes = record.get("successes") if isinstance(record, dict) else None
-        return _count(successes, f"{stats}, 'successes'"), FROM_STATS
+        return _count(successes, f"{folder.where(stats)}, 'successes'"), FROM_STATS
 
     def shard_counts(self, urls: Sequence[str]) -> tuple[int, ...] | None:
         """Each shard's count, where a record gives every one of them (else None)."""
         counts = []
         for url in _progress(urls, "counting the samples of each shard"):
             try:
-                count = None if is_remote(url) else self._shard_count(Path(url))
+                count = self._shard_count(url) if has_records(url) else None
             except ValueError:  # a malformed record: num_samples() names it where the count is needed
                 count = None
             if count is None:
@@ -229,19 +269,19 @@ class _Records:
 
     def num_samples(self, urls: Sequence[str]) -> tuple[int, str]:
         """Samples in ``urls`` (a shard listed twice counts twice) and the records they came from."""
-        by_folder: dict[Path, list[Path]] = {}
+        by_folder: dict[str, list[str]] = {}
         for url in urls:
-            if is_remote(url):
-                raise _NoRecord(f"{url} is remote")
-            by_folder.setdefault(Path(url).parent, []).append(Path(url))
+            if not has_records(url):
+                raise _NoRecord(f"{url} is a command's output")
+            by_folder.setdefault(_split(url)[0], []).append(url)
         total, origins = 0, set()
-        for folder_path, shards in by_folder.items():
+        for folder_name, shards in by_folder.items():
             counts = [self._shard_count(shard) for shard in shards]
-            folder = self._folders[folder_path]
+            folder = self._folders[folder_name]
             if all(count is not None for count in counts):
                 total += sum(count for count, _ in counts)
                 origins |= {origin for _, origin in counts}
-            elif folder.total is not None and sorted(shard.name for shard in shards) == folder.tar_names:
+            elif folder.total is not None and sorted(_split(s)[1] for s in shards) == folder.tar_names:
                 total += folder.total
                 origins.add(FROM_LEN)
             else:
@@ -253,30 +293,29 @@ class _Records:
         """1 + the largest index any shard of ``urls`` may hold, and the records that say so."""
         bound, origins = 0, set()
         for url in _progress(list(dict.fromkeys(urls)), "reading each shard's index bound"):
-            if is_remote(url):
-                raise _NoRecord(f"{url} is remote")
-            shard = Path(url)
-            folder = self._folder(shard)
-            if shard.name in folder.manifest_counts:
+            if not has_records(url):
+                raise _NoRecord(f"{url} is a command's output")
+            folder, name = self._folder(url)
+            if name in folder.manifest_counts:
                 index_max = folder.manifest["index_max"]
                 bound = max(bound, 0 if index_max is None else index_max + 1)
                 origins.add(FROM_MANIFEST)
                 continue
-            parquet = _beside(shard, ".parquet")
-            if not parquet.is_file():
-                raise _NoRecord(f"no record bounds the indices of {shard}")
-            bound = max(bound, _parquet_bound(parquet, self.index_key))
+            parquet = _companion(name, ".parquet")
+            if parquet not in folder.names:
+                raise _NoRecord(f"no record bounds the indices of {url}")
+            bound = max(bound, _parquet_bound(folder.parquet(parquet), folder.where(parquet), self.index_key))
             origins.add(FROM_PARQUET)
         return bound, " + ".join(sorted(origins))
 
 
-def _parquet_bound(path: Path, column: str) -> int:
+def _parquet_bound(source: Any, path: str, column: str) -> int:
     """1 + the largest value of ``column`` over every row of an img2dataset parquet (0 if none)."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    parquet = pq.ParquetFile(path)  # one column of one file: ~6x faster than pq.read_table
+    parquet = pq.ParquetFile(source)  # one column of one file: ~6x faster than pq.read_table
     if column not in parquet.schema_arrow.names:
         raise _NoRecord(f"{path} has no column {column!r} (data.index_key)")
     values = parquet.read(columns=[column]).column(column)

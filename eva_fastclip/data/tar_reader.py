@@ -19,6 +19,7 @@ import PIL.Image
 from torch import Tensor
 from webdataset.tariterators import base_plus_ext
 
+from .remote import Retries, ShardUnreachable
 from .shard_io import command_failure, open_shard
 
 logger = logging.getLogger(__name__)
@@ -132,7 +133,12 @@ class FailureLog:
 
 
 def shard_samples(
-    url: str, failures: FailureLog, first: int = 0, stop: int | None = None, count: int | None = None
+    url: str,
+    failures: FailureLog,
+    first: int = 0,
+    stop: int | None = None,
+    count: int | None = None,
+    retries: Retries | None = None,
 ) -> Iterator[dict[str, Any]]:
     """One shard's undecoded samples numbered ``first`` up to ``stop`` (None: its end), its problems counted
     in ``failures``: its members grouped by key as webdataset groups them, except that a key names one
@@ -155,7 +161,7 @@ def shard_samples(
     kept = 0  # samples kept so far: the number of the next one
     repeats = 0  # samples under a key seen before: in a record's count, not numbered
     error, cut = None, None
-    for key, extension, data in tar_members(url):
+    for key, extension, data in tar_members(url, retries):
         new = key is not None and (group is None or group["__key__"] != key or extension in group)
         if isinstance(data, Exception):
             error, cut = data, key if new else None
@@ -252,15 +258,18 @@ def _first_of_key(group: dict[str, Any], seen: set[str], failures: FailureLog | 
     return True
 
 
-def tar_members(url: str) -> Iterator[tuple[str | None, str, bytes | Exception]]:
+Member = tuple[str | None, str, bytes | Exception]
+
+
+def tar_members(url: str, retries: Retries | None = None) -> Iterator[Member]:
     """(key, extension, bytes) of every file in the tar shard at ``url``, named as webdataset names them
     (the key is the path up to the file name's first dot; the extension is lower-cased). A read error ends
     it with (key, extension, error) if a member's data failed, else (None, "", error); a ``pipe:``
     command that failed is the error, where its output's early end made one, or where the tar ended
-    cleanly at its end."""
+    cleanly at its end. A remote shard whose retries are spent raises ShardUnreachable: the run stops."""
     key, extension, stream = None, "", None
     try:
-        with open_shard(url) as stream, tarfile.open(fileobj=stream, mode="r|*") as tar:
+        with open_shard(url, retries) as stream, tarfile.open(fileobj=stream, mode="r|*") as tar:
             for member in tar:
                 tar.members = []  # a stream keeps every header it read: drop them, as webdataset does
                 if not member.isreg() or _META_MEMBER.match(member.name):
@@ -274,6 +283,8 @@ def tar_members(url: str) -> Iterator[tuple[str | None, str, bytes | Exception]]
                 key, extension = None, ""
         if (failed := command_failure(stream)) is not None:
             yield None, "", failed
+    except ShardUnreachable:
+        raise
     except Exception as exn:  # missing, not a tar, cut short, a failing pipe: command
         yield key, extension, command_failure(stream) or exn
 

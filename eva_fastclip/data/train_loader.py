@@ -40,6 +40,7 @@ from eva_fastclip.config import ExperimentConfig
 
 from .epoch_plan import EpochPlan, Tiling
 from .epoch_position import EpochPosition
+from .remote import Retries
 from .sizes import DataSizes, resolve_sizes
 from .skip_counts import SkipCounts
 from .tar_reader import FailureLog, Preprocess, Tokenize
@@ -118,6 +119,7 @@ class TrainLoader:
             decode_device=device if data.image_decode == "gpu" else None,
             pin_memory=device is not None and device.type == "cuda",
             accumulation=accumulation,
+            retries=Retries(data.read_retries, data.retry_wait_s),
         )
 
     def __init__(
@@ -142,6 +144,7 @@ class TrainLoader:
         decode_device: torch.device | str | None = None,
         pin_memory: bool = False,
         accumulation: int = 1,
+        retries: Retries | None = None,
     ) -> None:
         if isinstance(sources, str):
             sources = [sources]
@@ -161,6 +164,7 @@ class TrainLoader:
         self.workers = workers
         self.index_key = index_key
         self.needs_index = needs_index
+        self.retries = retries or Retries()  # a remote shard's failed requests (data/remote.py)
         self._position = EpochPosition()
         self.urls, cum_weights = shard_urls(sources, weights, resampled)
         self.sizes = _epoch_sizes(self.urls, sources, sizes, num_samples, index_size, needs_index, index_key)
@@ -194,6 +198,7 @@ class TrainLoader:
             rank=self.rank,
             resampled=self.resampled,
             shuffle_buffer=self.shuffle_buffer,
+            retries=self.retries,
         )
         examples = ExampleMaker(
             self._images,

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from eva_fastclip.reliability.signals import ignore_stop_signals
 
+from .remote import ShardUnreachable
 from .workers import worker_context
 
 
@@ -44,6 +45,8 @@ def naming_dead_workers(
     workers are ended here (:func:`_abandon`)."""
     try:
         yield from batches
+    except ShardUnreachable:  # a worker's own verdict, raised again here by the loader: not a death
+        raise
     except (RuntimeError, OSError, EOFError) as err:
         # a broken pipe comes a moment before the fork server reports the worker's end (PyTorch's own
         # RuntimeError names it already)

@@ -1,4 +1,8 @@
-"""Shard URLs from the config's sources: brace patterns, "::"-joined lists and folders."""
+"""Shard URLs from the config's sources: brace patterns, "::"-joined lists and folders, local or remote.
+
+A remote source (any fsspec URL: data/remote.py) expands as a local one does: a folder to the shards its
+manifest.json lists, else its ``*.tar``; every shard named must exist, checked with one listing per
+folder (not one request per shard), so a missing one stops the run before step 1."""
 
 from __future__ import annotations
 
@@ -9,8 +13,8 @@ from collections.abc import Sequence
 
 import braceexpand
 
-from .shards import MANIFEST_NAME, read_manifest
-from .sizes import is_remote
+from .remote import Retries, is_remote, list_names, read_bytes, url_fs
+from .shards import MANIFEST_NAME, parse_manifest, read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +36,10 @@ def expand_urls(patterns: str | Sequence[str]) -> list[str]:
 
 
 def _expand_pattern(pattern: str) -> list[str]:
-    if is_remote(pattern):
+    if pattern.startswith("pipe:"):  # a command's output: nothing to look at before it runs
         return list(braceexpand.braceexpand(pattern))
+    if is_remote(pattern):
+        return _expand_remote(pattern)
     if os.path.isdir(pattern):
         return _shards_in_folder(pattern)
     urls = list(braceexpand.braceexpand(pattern))
@@ -66,4 +72,54 @@ def _require_files(paths: list[str], origin: str) -> None:
     if missing:
         raise FileNotFoundError(
             f"{origin}: {len(missing)} of {len(paths)} shards do not exist (first: {missing[0]})"
+        )
+
+
+def _expand_remote(pattern: str) -> list[str]:
+    urls = list(braceexpand.braceexpand(pattern))
+    if len(urls) == 1 and not urls[0].endswith(".tar"):
+        fs, path = url_fs(urls[0])
+        if fs.isdir(path):
+            return _remote_folder(urls[0].rstrip("/"))
+    _require_remote(urls, f"shard pattern {pattern!r}")
+    return urls
+
+
+def _remote_folder(folder: str) -> list[str]:
+    names = list_names(folder, Retries())
+    manifest = None
+    if MANIFEST_NAME in names:
+        where = f"{folder}/{MANIFEST_NAME}"
+        manifest = parse_manifest(read_bytes(where, Retries()), where)
+    if manifest is not None:
+        missing = [name for name in manifest["shards"] if name not in names]
+        if missing:
+            raise FileNotFoundError(
+                f"{folder}/{MANIFEST_NAME}: {len(missing)} of {len(manifest['shards'])} shards do not exist "
+                f"(first: {folder}/{missing[0]})"
+            )
+        return [f"{folder}/{name}" for name in manifest["shards"]]
+    urls = [f"{folder}/{name}" for name in sorted(names) if name.endswith(".tar")]
+    if not urls:
+        raise FileNotFoundError(
+            f"{folder}: no shards (neither a manifest.json listing shards nor *.tar files)"
+        )
+    return urls
+
+
+def _require_remote(urls: list[str], origin: str) -> None:
+    """Every URL names an existing object: one listing of each folder they lie in."""
+    by_folder: dict[str, list[str]] = {}
+    for url in urls:
+        by_folder.setdefault(url.rsplit("/", 1)[0], []).append(url)
+    missing = []
+    for folder, inside in by_folder.items():
+        try:
+            names = list_names(folder, Retries())
+        except FileNotFoundError:
+            names = set()
+        missing += [url for url in inside if url.rsplit("/", 1)[1] not in names]
+    if missing:
+        raise FileNotFoundError(
+            f"{origin}: {len(missing)} of {len(urls)} shards do not exist (first: {missing[0]})"
         )

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .epoch_plan import EpochPlan, Segment
+from .remote import Retries
 from .tar_reader import FailureLog, shard_samples
 from .urls import expand_urls
 
@@ -78,9 +79,11 @@ class WorkerStreams:
         rank: int,
         resampled: bool,
         shuffle_buffer: int,
+        retries: Retries | None = None,
     ) -> None:
         self.urls, self.plan, self.failures, self.cum_weights = urls, plan, failures, cum_weights
         self.seed, self.rank, self.resampled, self.shuffle_buffer = seed, rank, resampled, shuffle_buffer
+        self.retries = retries  # a remote shard's failed requests (data/remote.py)
         # each shard's samples as its record says: what a read error cut off is counted from them
         self._counts = dict(zip(plan.urls, plan.recorded)) if plan.recorded is not None else {}
 
@@ -189,7 +192,7 @@ class WorkerStreams:
         """The samples of whole shards, or of segments (shard, first, stop) of them."""
         for item in shard_urls:
             url, first, stop = (item, 0, None) if isinstance(item, str) else item
-            yield from shard_samples(url, self.failures, first, stop, self._counts.get(url))
+            yield from shard_samples(url, self.failures, first, stop, self._counts.get(url), self.retries)
 
 
 def shuffle(samples: Iterable[Any], rng: random.Random, size: int, buffer: list[Any]) -> Iterator[Any]:

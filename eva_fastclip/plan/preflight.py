@@ -29,7 +29,7 @@ import torch
 
 from eva_fastclip.config import ConfigError, ExperimentConfig
 from eva_fastclip.data import DataSizes, expand_urls, resolve_sizes
-from eva_fastclip.data.sizes import is_remote
+from eva_fastclip.data.remote import is_remote
 from eva_fastclip.evaluation.sets import read_classification_folder
 from eva_fastclip.plan.layout import BatchLayout
 
@@ -392,7 +392,7 @@ def check_earlier_run(output_dir: str) -> list[Problem]:
 
 
 def _unreadable(key: str, urls: list[str]) -> list[Problem]:
-    local = [url for url in urls if not is_remote(url)]
+    local = [url for url in urls if not is_remote(url) and not url.startswith("pipe:")]
     denied = [url for url in local if not os.access(url, os.R_OK)]
     if denied:
         return [
