@@ -5,6 +5,7 @@ slowest rank's wait: tests/launched/test_data_wait_two_ranks.py."""
 
 import logging
 import math
+import re
 import time
 from fractions import Fraction
 
@@ -194,6 +195,10 @@ def test_a_run_measures_its_wait_on_data(tmp_path, caplog, sleep):
         assert fraction > 0.1
         assert warnings and "data.workers=2 per rank cannot keep up" in warnings[0], warnings
         needed = math.ceil(2 / (1 - fraction) - 1e-9)
-        assert f"data.workers={needed} would" in warnings[-1]
+        named = [int(n) for n in re.findall(r"data\.workers=(\d+) would", warnings[-1])]
+        if warnings[-1].startswith("steps 3-4"):
+            assert named == [needed], warnings
+        else:  # not repeated for a window that needs no more than the last warning said (a busy machine's
+            assert named and named[0] >= needed, warnings  # steps 1-2 may have needed more)
     else:
         assert fraction < 0.05 and not warnings

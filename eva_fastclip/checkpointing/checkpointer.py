@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,8 @@ class Checkpointer:
         self.saved_step: int | None = None  # the step whose state is on disk (saved, or resumed unchanged)
         self.saved_at = time.monotonic()  # when that was (train.save_every_minutes counts from there)
         self.loader_position: dict[str, Any] | None = None  # the resumed epoch's data position
+        # the loader's position as of the steps trained (engine/step_batches.py: not the step fetched ahead)
+        self.loader_state: Callable[[], dict[str, Any] | None] | None = None
 
     def folder_of(self, step: int) -> Path:
         return self.root / checkpoint.tag_for_step(step)
@@ -49,7 +52,10 @@ class Checkpointer:
 
         def write_extra(folder: Path) -> None:
             self.loss.save_state(folder / "per_sample")
-            position = self.loader.state_dict() if hasattr(self.loader, "state_dict") else None
+            if self.loader_state is not None:
+                position = self.loader_state()
+            else:
+                position = self.loader.state_dict() if hasattr(self.loader, "state_dict") else None
             checkpoint.save_rank_state(folder, self.rank.rank, {"rng": rng_state(), "loader": position})
 
         folder = checkpoint.save_checkpoint(

@@ -67,6 +67,8 @@ RULES: dict[str, Rule] = {
     "data.workers": Rule(CHANGE),
     "data.index_key": Rule(CHANGE),
     "data.image_decode": Rule(CHANGE),  # the same crops either way: only where the decode runs changes
+    "data.read_retries": Rule(CHANGE),  # how a failed request is retried: not what is read
+    "data.retry_wait_s": Rule(CHANGE),
     "loss.name": Rule(FIXED, "the loss decides the per-sample state and the temperature's optimizer group"),
     "loss.temperature_rule": Rule(
         FIXED, "the rule decides the temperature's optimizer group and the per-sample state"

@@ -35,8 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     """0: done; 2 (from cli.main): a check failed before step 1; 3: non-finite steps; 4: a checkpoint could
-    not be written; 75 (PREEMPTED_EXIT_CODE): preempted, saved, resumable; 1 (an exception, with its
-    traceback): anything else, mid-run errors included (RunFailed)."""
+    not be written; 75 (PREEMPTED_EXIT_CODE): preempted, saved, resumable; 1: the training data could not
+    be read on (saved first: DataUnavailable), or (an exception, with its traceback) anything else,
+    mid-run errors included (RunFailed)."""
     from eva_fastclip.plan import preflight
     from eva_fastclip.plan.deepspeed_json import load_deepspeed_config
 
@@ -96,6 +97,7 @@ def train(cfg, ds: dict, resume: str | None) -> int:
 def _train_held(cfg, ds: dict, resume: str | None, lock) -> tuple[int, str]:
     from eva_fastclip.checkpointing.checkpoint import CheckpointWriteError
     from eva_fastclip.engine.build import build_trainer
+    from eva_fastclip.engine.step_batches import DataUnavailable
     from eva_fastclip.reliability.bad_steps import NonFiniteSteps
     from eva_fastclip.reliability.preemption import PREEMPTED_EXIT_CODE, Preempted
     from eva_fastclip.reliability.signals import STOP_SIGNALS
@@ -121,6 +123,9 @@ def _train_held(cfg, ds: dict, resume: str | None, lock) -> tuple[int, str]:
     except CheckpointWriteError as err:  # nothing of it left behind; the last complete one is intact
         _say(f"stopped: {err}")
         return 4, str(err)
+    except DataUnavailable as err:  # saved at a step boundary; the supervisor retries (the data may return)
+        _say(f"stopped: {err}")
+        return 1, str(err)
     return 0, "finished"
 
 

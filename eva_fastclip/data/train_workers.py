@@ -14,10 +14,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from eva_fastclip.reliability.signals import ignore_stop_signals
-
 from .remote import ShardUnreachable
-from .workers import worker_context
+from .workers import worker_context, worker_init
 
 
 def train_dataloader(pipeline: IterableDataset, *, workers: int, seed: int, pin_memory: bool) -> DataLoader:
@@ -33,7 +31,7 @@ def train_dataloader(pipeline: IterableDataset, *, workers: int, seed: int, pin_
         # a generator of its own for the workers' base seed (which nothing uses): starting a loader
         # must not draw from the global one, which masks patches in the training step
         generator=torch.Generator().manual_seed(seed),
-        worker_init_fn=ignore_stop_signals,  # the rank finishes its step and saves: data/workers.py
+        worker_init_fn=worker_init(),  # the rank's environment; the rank finishes its step and saves
     )
 
 

@@ -48,6 +48,20 @@ def worker_context() -> multiprocessing.context.BaseContext:
     return context
 
 
+def worker_init() -> functools.partial:
+    """A DataLoader ``worker_init_fn``: each worker takes the rank's environment as it is now (a fork
+    server's child has the one the server started with: credentials or an object store's endpoint set
+    since would be missing), then ignores the stop signals (reliability/signals.py)."""
+    return functools.partial(_start_worker, dict(os.environ))
+
+
+def _start_worker(environment: dict[str, str], worker_id: int) -> None:
+    from eva_fastclip.reliability.signals import ignore_stop_signals
+
+    os.environ.update(environment)
+    ignore_stop_signals(worker_id)
+
+
 def start_worker_server() -> None:
     """Start the fork server now, as a new interpreter that imports the preload: its start-up then overlaps
     the rank's own (model, engine) instead of delaying the first batch. Call it from the rank's main

@@ -3,20 +3,24 @@
 ``output_dir/config.json`` is the run's config (the plan's: what it derived included); ``train_log.jsonl``
 has one line per optimizer step (metrics and lr per tower), ``eval_results.jsonl`` one per evaluated step.
 A resumed run drops the lines of steps after its checkpoint: it trains those again. Every method is a
-no-op on the other ranks.
+no-op on the other ranks but :meth:`RunLog.skipped_samples`, which every rank calls (it sums over them).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from eva_fastclip.reliability.process import memory_in_use_gib
+
+log = logging.getLogger(__name__)
 
 #: one line of metrics per optimizer step, in train.output_dir
 STEP_LOG = "train_log.jsonl"
@@ -36,6 +40,7 @@ class RunLog:
     ) -> None:
         self.optimizer, self.main = optimizer, main
         self.writer = None
+        self._skips_reported = 0  # skipped samples already reported on the console
         if not main:
             return
         from torch.utils.tensorboard import SummaryWriter
@@ -80,6 +85,28 @@ class RunLog:
             if isinstance(value, (int, float)) and math.isfinite(value):
                 self.writer.add_scalar(prefix + key, value, step)
         self.writer.flush()
+
+    def skipped_samples(
+        self, by_reason: dict[str, int] | None, step: int, device: torch.device, world_size: int
+    ) -> dict[str, float]:
+        """Samples the loaders skipped so far (``by_reason``: this rank's), summed over ranks, as metrics
+        ``data/skipped`` (the total) and ``data/skipped/<reason>``; rank 0 prints a line whenever the
+        total has grown. Every rank calls it (a collective)."""
+        if by_reason is None:
+            return {}
+        counts = torch.tensor(list(by_reason.values()), dtype=torch.int64, device=device)
+        if world_size > 1:
+            dist.all_reduce(counts)
+        counts = dict(zip(by_reason, counts.tolist()))
+        total = sum(counts.values())
+        if self.main and total > self._skips_reported:
+            why = ", ".join(f"{reason} {count}" for reason, count in counts.items() if count)
+            log.warning(
+                "step %d: %d samples skipped so far on %d rank(s) (%s); the loader's warnings name the first",
+                step, total, world_size, why,
+            )  # fmt: skip
+            self._skips_reported = total
+        return {"data/skipped": total, **{f"data/skipped/{reason}": n for reason, n in counts.items()}}
 
     def progress_bar(self, total: int, initial: int):
         from tqdm import tqdm

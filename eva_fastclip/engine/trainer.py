@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from eva_fastclip.checkpointing.checkpointer import Checkpointer
 from eva_fastclip.data import TrainLoader
@@ -44,6 +43,7 @@ from eva_fastclip.engine.contrastive_step import (
 from eva_fastclip.engine.evaluate import EvalPrecision, evaluate_model, format_results, fp32_weights
 from eva_fastclip.engine.run_log import RunLog
 from eva_fastclip.engine.setup import initialize_engine, read_full_parameter, write_full_parameter_
+from eva_fastclip.engine.step_batches import DataUnavailable, StepBatches
 from eva_fastclip.engine.throughput import Throughput, throughput_of
 from eva_fastclip.losses import Gatherer, build_loss
 from eva_fastclip.models import create_model
@@ -64,7 +64,6 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    _skips_reported = 0  # skipped samples already reported on the console by this process
     _finite_in_step: torch.Tensor | None = None  # whether every micro-batch of this step had a finite loss
     _losses_in_step: list[torch.Tensor] = []  # the losses of this step's micro-batches so far
 
@@ -109,6 +108,12 @@ class Trainer:
         self.checkpointer = Checkpointer(
             plan, rank, engine=self.engine, loss=self.loss, loader=self.loader, temperature=self.temperature
         )
+        # each step's micro-batches fetched before the boundary of the step before (a loader that cannot
+        # go on stops every rank there, saved): the checkpoint's data position leaves them out
+        self.batches = StepBatches(
+            self.loader, self.layout.grad_accum_steps, lambda: self.watchdog.set_phase("loader", self.step)
+        )
+        self.checkpointer.loader_state = self.batches.loader_state
         if plan.resume is not None:
             self.load_state_dict(self.checkpointer.restore())
         self._after_applied_step()  # the first step's temperature lr follows tau too (rgcl_g)
@@ -162,14 +167,17 @@ class Trainer:
         )
         shown: dict[str, str] = {}  # the progress bar's last data wait fraction
         while self.step < self.total_steps:
-            for images, tokens, indices, *keys in self._watched(data_wait.batches(self._epoch_batches)):
+            epoch = self.batches.epoch(data_wait.batches(self._epoch_batches), self._agree_on_data)
+            for images, tokens, indices, *keys in epoch:
                 self._maybe_unmask()
                 metrics = self.train_step(images, tokens, indices, *keys)
                 if metrics is None:  # accumulating: no optimizer step yet
                     continue
                 data_wait.step_ended()  # after train_step read the loss: the device finished the step
                 self.step += 1
-                stop, save_now = self._end_step(metrics)  # raises NonFiniteSteps after too many bad steps
+                if self.step < self.total_steps:
+                    self.batches.fetch_step()  # before the boundary: a failure to fetch is agreed on there
+                stop, save_now, no_data = self._end_step(metrics)  # raises NonFiniteSteps after too many
                 progress.update(1)
                 progress.set_postfix(loss=f"{metrics['loss']:.3f}", **shown, refresh=False)
                 window: dict[str, float] = {}
@@ -178,6 +186,8 @@ class Trainer:
                 self.log.step(self.step, self.epoch, {**metrics, **throughput_of(window)})
                 if stop:  # after the step's logs: the stopped step is in TensorBoard too
                     self._stop_preempted()  # saves, raises Preempted
+                if no_data:
+                    self._stop_without_data()  # saves, raises DataUnavailable
                 if self.cfg.eval.every_steps and self.step % self.cfg.eval.every_steps == 0:
                     self.evaluate()
                 if save_now or (cfg.save_every_steps and self.step % cfg.save_every_steps == 0):
@@ -236,19 +246,21 @@ class Trainer:
             **(self.compile_watch.step_ended() if self.compile_watch else {}),
         }
 
-    def _end_step(self, metrics: dict[str, float]) -> tuple[bool, bool]:
+    def _end_step(self, metrics: dict[str, float]) -> tuple[bool, bool, bool]:
         """The step boundary's one collective (reliability/bad_steps.py's ``agree``): this step was bad, a
         stop was asked for (one rank may have the signal), rank 0's clock says save (train.save_every_minutes:
-        every rank saves at the same step). Returns (stop, save now)."""
+        every rank saves at the same step), a rank's loader cannot go on. Returns (stop, save now, no
+        data)."""
         bad = not (metrics["step_applied"] and metrics["loss_finite"])
         stop = self.preemption is not None and self.preemption.requested is not None
         minutes = self.cfg.train.save_every_minutes
         due = self.is_main and minutes > 0 and time.monotonic() - self.checkpointer.saved_at >= minutes * 60
-        bad, stop, due = agree(bad, stop, due, device=self.device, world_size=self.world_size)
+        flags = (bad, stop, due, self.batches.failure is not None)
+        bad, stop, due, no_data = agree(*flags, device=self.device, world_size=self.world_size)
         if self.preemption is not None:
             self.preemption.step_ended()
         self.bad_steps.step_ended(bad, self.step, metrics, self.checkpointer.root)
-        return stop, due
+        return stop, due, no_data
 
     # ---- set-up --------------------------------------------------------------------------------------
 
@@ -304,17 +316,6 @@ class Trainer:
         self.compile_watch = CompileWatch() if self.cfg.train.compile else None
 
     # ---- pieces --------------------------------------------------------------------------------------
-
-    def _watched(self, batches):
-        """The loop's micro-batches, the watchdog told whenever the rank waits for one."""
-        iterator = iter(batches)
-        while True:
-            self.watchdog.set_phase("loader", self.step)
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
-            yield batch
 
     def _hang_detail(self) -> str:
         """For a hang's report: the last collective the loss entered, the loader's workers."""
@@ -404,6 +405,22 @@ class Trainer:
             self.preemption.mark()  # the next step's time leaves the save out
         return folder
 
+    def _agree_on_data(self, failed: bool) -> None:
+        """At an epoch's start, its first step fetched: stop every rank where one's loader failed."""
+        if agree(failed, device=self.device, world_size=self.world_size)[0]:
+            self._stop_without_data()
+
+    def _stop_without_data(self) -> None:
+        """Save this step's checkpoint (unless there is one) and raise DataUnavailable, naming what each
+        rank whose loader failed could not read."""
+        named = self.batches.failures(self.world_size)  # a collective
+        if self.checkpointer.saved_step != self.step:
+            self.save()
+        raise DataUnavailable(
+            f"step {self.step}: the training data cannot be read on ({named}); checkpoint "
+            f"{self.checkpointer.folder_of(self.step)} complete: resume with --resume latest once it can be"
+        )
+
     def _stop_preempted(self) -> None:
         """Save this step's checkpoint (unless there is one) and raise Preempted."""
         what = self.preemption.requested or "another rank was asked to stop"
@@ -458,36 +475,14 @@ class Trainer:
         """The logging window's TensorBoard scalars: the step's metrics with the samples skipped so far,
         and perf/*; returns perf/* and the progress bar's data wait (``shown`` where none was measured).
         Every rank calls it (collectives)."""
-        metrics = {**metrics, **self._skipped_samples()}
+        by_reason = getattr(self.loader, "skipped_by_reason", None)  # (a stand-in loader skips nothing)
+        metrics = {**metrics, **self.log.skipped_samples(by_reason, self.step, self.device, self.world_size)}
         perf = self._perf_window(data_wait)
         self.log.scalars(metrics, self.step)
         self.log.scalars(perf, self.step, prefix="")
         if "perf/data_wait_fraction" in perf:
             shown = {"data": f"{perf['perf/data_wait_fraction']:.0%}"}
         return perf, shown
-
-    def _skipped_samples(self) -> dict[str, float]:
-        """Samples the loaders skipped so far, summed over ranks, as metrics ``data/skipped`` (the total) and
-        ``data/skipped/<reason>``; rank 0 prints a line whenever the total has grown. Every rank calls it."""
-        by_reason = getattr(self.loader, "skipped_by_reason", None)
-        if by_reason is None:  # a stand-in loader (benchmarks, tests) skips nothing
-            return {}
-        counts = torch.tensor(list(by_reason.values()), dtype=torch.int64, device=self.device)
-        if self.world_size > 1:
-            dist.all_reduce(counts)
-        counts = dict(zip(by_reason, counts.tolist()))
-        total = sum(counts.values())
-        if self.is_main and total > self._skips_reported:
-            why = ", ".join(f"{reason} {count}" for reason, count in counts.items() if count)
-            log.warning(
-                "step %d: %d samples skipped so far on %d rank(s) (%s); the loader's warnings name the first",
-                self.step,
-                total,
-                self.world_size,
-                why,
-            )
-            self._skips_reported = total
-        return {"data/skipped": total, **{f"data/skipped/{reason}": n for reason, n in counts.items()}}
 
     def _perf_window(self, data_wait: DataWait) -> dict[str, float]:
         """The logging window's perf/* metrics with the slowest rank's data wait (MAX over ranks: it holds

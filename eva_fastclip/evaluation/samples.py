@@ -22,8 +22,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from eva_fastclip.data.workers import worker_context
-from eva_fastclip.reliability.signals import ignore_stop_signals
+from eva_fastclip.data.workers import worker_context, worker_init
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +154,7 @@ def worker_loader(dataset: Dataset, count: int, workers: int, **loading: Any) ->
         num_workers=workers,
         # not forked from the rank, whose loader threads may be exiting (data/workers.py)
         multiprocessing_context=worker_context() if workers else None,
-        worker_init_fn=ignore_stop_signals,  # a stop request is honoured after the evaluation
+        worker_init_fn=worker_init(),  # the rank's environment; a stop is honoured after the evaluation
         **loading,
     )
     return iter(loader)

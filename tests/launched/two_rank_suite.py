@@ -34,6 +34,7 @@ PIECES = {
     "host_memory": "test_engine_setup_two_ranks:large_blocks",
     "hardware": "test_engine_setup_two_ranks:agree_on_hardware",
     "preflight_error": "test_engine_setup_two_ranks:preflight_error",
+    "remote_data": "test_remote_two_ranks:remote_runs",
     "data_wait": "test_data_wait_two_ranks:slowest_rank_of_two",
     "compositional": "test_compositional_distributed:two_ranks",
     "siglip": "test_siglip_two_ranks:two_ranks",

@@ -1,0 +1,90 @@
+"""The training loop's micro-batches, each optimizer step's fetched before the ranks agree on the step
+before it: a rank whose loader cannot go on stops every rank at a step boundary, saved.
+
+A loader that cannot go on (a remote shard still unreachable after its retries: data/remote.py) raises in
+one rank's ``next()``. Raised there, the other ranks would wait for that rank in the next step's first
+collective until the hang watchdog ended them, and the steps since the last checkpoint would be lost. So
+the next step's micro-batches are fetched at the end of each step (:meth:`StepBatches.fetch_step`,
+before the step boundary's one all-reduce), a failure is held (:attr:`failure`), and the boundary's
+verdict stops every rank there: they save and the run exits naming the shard (engine/trainer.py). The
+first step of each epoch is fetched before its first forward, and the ranks agree on it then
+(``agree_at_start``: one all-reduce an epoch).
+
+The loader's position saved with a checkpoint is the one before the fetch ahead (:meth:`loader_state`):
+a resumed run reads that step again, exactly.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch.distributed as dist
+
+from eva_fastclip.data.remote import ShardUnreachable
+
+
+class DataUnavailable(RuntimeError):
+    """A rank's training data could not be read on: the run saved and stopped (exit code 1: retried)."""
+
+
+class StepBatches:
+    """Micro-batches ``accumulation`` to a step, the next step's fetched at :meth:`fetch_step`."""
+
+    def __init__(self, loader: Any, accumulation: int, set_phase: Callable[[], None]) -> None:
+        self.loader, self.accumulation, self.set_phase = loader, accumulation, set_phase
+        self.failure: str | None = None  # why this rank's loader cannot go on (one line)
+        self._ahead: deque = deque()
+        self._batches: Iterator | None = None
+        self._position: dict[str, Any] | None = None
+
+    def epoch(self, batches: Iterable, agree_at_start: Callable[[bool], None]) -> Iterator:
+        """The epoch's micro-batches: its first step's fetched here and ``agree_at_start`` told whether
+        that failed (it stops the run where it failed on any rank), each next step's when the loop calls
+        :meth:`fetch_step`."""
+        self._batches, self._ahead = iter(batches), deque()
+        self.fetch_step()
+        agree_at_start(self.failure is not None)
+        while self._ahead:
+            yield self._ahead.popleft()
+
+    def fetch_step(self) -> None:
+        """The next optimizer step's micro-batches, fetched now (fewer at the epoch's end). The loader's
+        position is kept first: it is where the steps trained so far end."""
+        if self._batches is None:
+            return
+        self._position = self.loader.state_dict() if hasattr(self.loader, "state_dict") else None
+        for _ in range(self.accumulation):
+            self.set_phase()
+            try:
+                self._ahead.append(next(self._batches))
+            except StopIteration:
+                self._batches = None
+                return
+            except ShardUnreachable as err:
+                self.failure, self._batches = _one_line(err), None
+                return
+
+    def failures(self, world_size: int) -> str:
+        """Every rank's :attr:`failure`, named by rank (a collective: every rank calls it)."""
+        reasons = [self.failure]
+        if world_size > 1:
+            reasons = [None] * world_size
+            dist.all_gather_object(reasons, self.failure)
+        return "; ".join(f"rank {rank}: {why}" for rank, why in enumerate(reasons) if why)
+
+    def loader_state(self) -> dict[str, Any] | None:
+        """The loader's position after the micro-batches trained so far (not those fetched ahead: with
+        some held, the position kept before they were fetched)."""
+        if self._ahead:
+            return self._position
+        return self.loader.state_dict() if hasattr(self.loader, "state_dict") else None
+
+
+def _one_line(err: Exception) -> str:
+    """The error's own message: a loader worker's comes wrapped in PyTorch's account of the worker,
+    its last line being ``<module>.<Class>: <message>``."""
+    last = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+    name = type(err).__name__
+    return last.split(f"{name}: ", 1)[1] if f"{name}: " in last else last
