@@ -67,6 +67,8 @@ RULES: dict[str, Rule] = {
     "data.workers": Rule(CHANGE),
     "data.index_key": Rule(CHANGE),
     "data.image_decode": Rule(CHANGE),  # the same crops either way: only where the decode runs changes
+    "data.caption_keys": Rule(CHANGE),  # which captions train from here on: the data, not the state
+    "data.caption_weights": Rule(CHANGE),
     "data.read_retries": Rule(CHANGE),  # how a failed request is retried: not what is read
     "data.retry_wait_s": Rule(CHANGE),
     "loss.name": Rule(FIXED, "the loss decides the per-sample state and the temperature's optimizer group"),

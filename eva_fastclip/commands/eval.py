@@ -88,6 +88,7 @@ def run(args) -> int:
             dtype=precision.dtype,
             collectives=collectives,
             progress=is_main,
+            caption_key=cfg.data.caption_keys[0],
         )
         text, output = format_results(results, precision), args.output
     if is_main:

@@ -91,6 +91,13 @@ class DataConfig:
     image_decode: str = "workers"
     """Where training JPEGs are decoded: "workers" (the loader workers, on the CPU) or "gpu" (nvjpeg on the
     rank's GPU, cropped and resized there; the workers only read headers and draw the crops)."""
+    caption_keys: list[str] = field(default_factory=lambda: ["txt"])
+    """Where a sample's captions are: member extensions ("txt", "caption") or fields of its .json
+    ("json:recaption"). Without data.caption_weights the first a sample has is its caption (a priority
+    order); evaluation on shards of this layout reads the first key."""
+    caption_weights: list[float] | None = None
+    """One weight per caption key: each sample's caption is drawn among the keys it has by their weights,
+    seeded by the sample and the epoch (the same on any layout and on resume); null: the priority order."""
     read_retries: int = 6
     """Times a failed request for a remote shard's bytes is made again (a cut connection, a 5xx, a stall),
     from the first byte not yet read; then the run saves and stops, naming the shard and the byte."""
@@ -112,6 +119,7 @@ class DataConfig:
                 )
         _positive("data.shuffle_buffer", self.shuffle_buffer, allow_zero=True)
         _positive("data.workers", self.workers, allow_zero=True)
+        _check_caption_keys(self.caption_keys, self.caption_weights)
         _positive("data.read_retries", self.read_retries, allow_zero=True)
         _positive("data.retry_wait_s", self.retry_wait_s, allow_zero=True)
         if self.num_samples is not None:
@@ -411,6 +419,20 @@ class OptimConfig:
 def gamma_decay_epochs_for(epochs: int) -> int:
     """The default horizon of gamma's cosine decay for a run of ``epochs`` epochs: half of them."""
     return max(1, epochs // 2)
+
+
+def _check_caption_keys(keys: list[str], weights: list[float] | None) -> None:
+    if not keys or any(not isinstance(key, str) or key in ("", "json:") for key in keys):
+        raise ConfigError(
+            'data.caption_keys must name member extensions ("txt") or .json fields ("json:caption"), '
+            f"at least one: got {keys}"
+        )
+    if len(set(keys)) != len(keys):
+        raise ConfigError(f"data.caption_keys names a key twice: {keys}")
+    if weights is not None and (len(weights) != len(keys) or any(w <= 0 for w in weights)):
+        raise ConfigError(
+            f"data.caption_weights must be one positive weight per caption key ({keys}), got {weights}"
+        )
 
 
 def _positive(key: str, value: float, allow_zero: bool = False) -> None:

@@ -12,11 +12,18 @@ from typing import Any
 
 from torch import Tensor
 
+from .captions import Captions
 from .epoch_position import EpochPosition
 from .sample_keys import sample_key
 from .sizes import DataSizes
-from .tar_reader import IMAGE_KEYS, BadSample, FailureLog, first_line, parse_index
+from .tar_reader import IMAGE_KEYS, BadSample, FailureLog, parse_index
 from .train_images import TrainImages
+
+_NO_CAPTION = {
+    "incomplete": "no caption",
+    "non_utf8_caption": "its caption is not UTF-8",
+    "empty_caption": "its caption is empty",
+}
 
 
 class ExampleMaker:
@@ -35,8 +42,10 @@ class ExampleMaker:
         seed: int,
         rank: int,
         resampled: bool,
+        captions: Captions | None = None,
     ) -> None:
         self.images, self.failures, self.position, self.sizes = images, failures, position, sizes
+        self.captions = captions or Captions()
         self.index_key, self.needs_index = index_key, needs_index
         self.seed, self.rank, self.resampled = seed, rank, resampled
 
@@ -47,19 +56,15 @@ class ExampleMaker:
         url = sample["__url__"]
         where = f"shard {url}, sample {sample['__key__']!r}"
         image_key = next((key for key in IMAGE_KEYS if key in sample), None)
-        if image_key is None or "txt" not in sample:
-            missing = "image (.jpg/.jpeg/.png/.webp)" if image_key is None else "caption (.txt)"
-            raise BadSample("incomplete", url, f"{where}: no {missing}")
-        try:
-            caption = first_line(sample["txt"].decode("utf-8"))
-        except UnicodeDecodeError as exn:
-            raise BadSample("non_utf8_caption", url, f"{where}: its .txt is not UTF-8 ({exn})") from None
-        if not caption:
-            raise BadSample("empty_caption", url, f"{where}: its caption is empty")
+        if image_key is None:
+            raise BadSample("incomplete", url, f"{where}: no image (.jpg/.jpeg/.png/.webp)")
         index = self._index(sample, url, where)
         # where the stream stood, with its skips up to this sample: those a resumed stream counts from
         position = (*sample["__pos__"], tuple(self.failures.counts))
         key = self._sample_key(sample, index, position)
+        caption, problem = self.captions.choose(sample, key)  # (data/captions.py)
+        if caption is None:
+            raise BadSample(problem, url, f"{where}: {_NO_CAPTION[problem]} ({self.captions.describe()})")
         try:
             image = self.images.crop(sample[image_key], key)
         except Exception as exn:  # decoders raise many kinds: OSError, RuntimeError, DecompressionBombError

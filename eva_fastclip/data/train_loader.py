@@ -38,6 +38,7 @@ from torch import Tensor
 
 from eva_fastclip.config import ExperimentConfig
 
+from .captions import Captions
 from .epoch_plan import EpochPlan, Tiling
 from .epoch_position import EpochPosition
 from .remote import Retries
@@ -120,6 +121,7 @@ class TrainLoader:
             pin_memory=device is not None and device.type == "cuda",
             accumulation=accumulation,
             retries=Retries(data.read_retries, data.retry_wait_s),
+            captions=Captions(tuple(data.caption_keys), _weights(data.caption_weights)),
         )
 
     def __init__(
@@ -145,6 +147,7 @@ class TrainLoader:
         pin_memory: bool = False,
         accumulation: int = 1,
         retries: Retries | None = None,
+        captions: Captions | None = None,
     ) -> None:
         if isinstance(sources, str):
             sources = [sources]
@@ -165,6 +168,7 @@ class TrainLoader:
         self.index_key = index_key
         self.needs_index = needs_index
         self.retries = retries or Retries()  # a remote shard's failed requests (data/remote.py)
+        self.captions = captions or Captions()  # which of a sample's captions it trains with
         self._position = EpochPosition()
         self.urls, cum_weights = shard_urls(sources, weights, resampled)
         self.sizes = _epoch_sizes(self.urls, sources, sizes, num_samples, index_size, needs_index, index_key)
@@ -210,6 +214,7 @@ class TrainLoader:
             seed=self.seed,
             rank=self.rank,
             resampled=self.resampled,
+            captions=self.captions,
         )
         return streams, examples
 
@@ -428,3 +433,7 @@ def _batches_per_epoch(num_samples: int, batch_size: int, world_size: int, accum
             f"{world_size} ranks; lower the batch size or raise data.num_samples"
         )
     return num_batches
+
+
+def _weights(weights: Sequence[float] | None) -> tuple[float, ...] | None:
+    return None if weights is None else tuple(float(w) for w in weights)

@@ -48,9 +48,11 @@ def evaluate_model(
     dtype: torch.dtype,
     collectives: Collectives | None = None,
     progress: bool = False,
+    caption_key: str = "txt",
 ) -> dict[str, float]:
     """Zero-shot top-1/5 (``zeroshot_*`` for eval.zeroshot_dir, ``imagenet_*`` for eval.imagenet_val) and
-    retrieval R@1/5/10 (``retrieval_*``), each with its chance level."""
+    retrieval R@1/5/10 (``retrieval_*``; each image's caption under ``caption_key``: data.caption_keys'
+    first), each with its chance level."""
     autocast = dtype if dtype != torch.float32 else None
     collectives = collectives or SingleRank()
     common = dict(
@@ -87,7 +89,8 @@ def evaluate_model(
         if predictions.num_skipped:
             results[f"{prefix}_num_skipped"] = predictions.num_skipped
     if cfg.retrieval_shards:
-        evalset = run_everywhere(collectives, device, lambda: read_pair_shards(cfg.retrieval_shards))
+        read = functools.partial(read_pair_shards, cfg.retrieval_shards, caption_key=caption_key)
+        evalset = run_everywhere(collectives, device, read)
         scores = retrieve(model, bundle.tokenizer, evalset, **common)
         scores.pop("num_texts")  # one caption per image
         skipped = scores.pop("num_skipped")

@@ -455,6 +455,7 @@ class Trainer:
                     device=self.device,
                     dtype=precision.dtype,
                     collectives=Gatherer.from_process_group(),
+                    caption_key=self.cfg.data.caption_keys[0],
                 )
             self._evaluated = {"step": self.step, "epoch": self.epoch, **results}
             self.log.evaluation(self._evaluated)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import glob
 import io
+import json
 import logging
 import os
 import re
@@ -27,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from eva_fastclip.data import expand_urls
+from eva_fastclip.data.captions import JSON_PREFIX
 
 from .samples import IMAGE_EXTENSIONS, StoredSample, index_tar_shards
 
@@ -63,11 +65,17 @@ class RetrievalSet:
     samples: list[StoredSample]
     every_line: bool
     """Every line of the .txt is a caption (clip_benchmark's retrieval folders); else only the first."""
+    caption_key: str = "txt"
+    """Where the caption is: a member's extension, or a .json field ("json:caption"): data.caption_keys'
+    first for shards of the training layout."""
 
     def target(self, parts: dict[str, bytes], sample: StoredSample) -> list[str]:
         if sample.captions is not None:  # a Hugging Face split: the captions are in its rows
             return list(sample.captions)
-        text = parts["txt"].decode("utf-8")
+        if self.caption_key.startswith(JSON_PREFIX):
+            text = json.loads(parts["json"])[self.caption_key[len(JSON_PREFIX) :]]
+        else:
+            text = parts[self.caption_key].decode("utf-8")
         return text.splitlines() if self.every_line else [text.strip().split("\n", 1)[0].strip()]
 
 
@@ -175,9 +183,14 @@ def read_hf_retrieval_split(files: list[Path], hf_cache: str | os.PathLike, name
     return RetrievalSet(name, samples, every_line=True)
 
 
-def read_pair_shards(sources: str | list[str], name: str = "retrieval") -> RetrievalSet:
-    """Image-text shards in the training layout; the first line of each .txt is the image's caption."""
-    return RetrievalSet(name, _index(expand_urls(sources), _RETRIEVAL_PARTS), every_line=False)
+def read_pair_shards(
+    sources: str | list[str], name: str = "retrieval", caption_key: str = "txt"
+) -> RetrievalSet:
+    """Image-text shards in the training layout; the first line of each caption (``caption_key``: the
+    .txt, another member, or a .json field) is the image's caption."""
+    member = "json" if caption_key.startswith(JSON_PREFIX) else caption_key
+    samples = _index(expand_urls(sources), {*IMAGE_EXTENSIONS, member})
+    return RetrievalSet(name, samples, every_line=False, caption_key=caption_key)
 
 
 def read_imagenet_folder(root: str | os.PathLike) -> ClassificationSet:
