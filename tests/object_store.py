@@ -7,7 +7,8 @@ object and byte range unless it is ``unreachable``:
 - ``cut``: the response is sent up to that fraction of its body and the connection dropped;
 - ``error``: a 500 in place of the first response;
 - ``stall_s``: the first response waits this long before its first byte;
-- ``unreachable``: keys (names) whose every GET is a 500.
+- ``unreachable``: keys (names) whose every GET is a 500;
+- ``put_stall_s``: every PUT (an upload) waits this long first.
 
 ``served`` counts what was done, for the tests to check that the faults happened."""
 
@@ -34,13 +35,14 @@ class Faults:
     cut: float | None = None
     error: bool = False
     stall_s: float = 0.0
+    put_stall_s: float = 0.0  # every PUT (an upload) waits this long first
     unreachable: set[str] = field(default_factory=set)
     served: collections.Counter = field(default_factory=collections.Counter)
     _seen: set[str] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def clear(self) -> None:
-        self.cut, self.error, self.stall_s = None, False, 0.0
+        self.cut, self.error, self.stall_s, self.put_stall_s = None, False, 0.0, 0.0
         self.unreachable = set()
         self._seen = set()
 
@@ -56,6 +58,9 @@ class Faults:
 
         def faulty(environ, start_response):
             key = environ.get("PATH_INFO", "")
+            if environ["REQUEST_METHOD"] == "PUT" and self.put_stall_s:
+                self.served["put_stall"] += 1
+                time.sleep(self.put_stall_s)
             if environ["REQUEST_METHOD"] != "GET" or not key.endswith(self.suffix):
                 return app(environ, start_response)
             name = key.rsplit("/", 1)[-1]

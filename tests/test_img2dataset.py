@@ -12,6 +12,7 @@ import json
 import math
 import tarfile
 import time
+from pathlib import Path
 
 import open_clip
 import pyarrow as pa
@@ -214,17 +215,17 @@ def test_a_run_reads_each_record_once(downloaded, tmp_path, monkeypatch):
 
     out, _ = downloaded
     opened = collections.Counter()
-    read_json, parquet_bound = sizes_module._read_json, sizes_module._parquet_bound
+    parse_json, parquet_bound = sizes_module._parse_json, sizes_module._parquet_bound
 
-    def counted_json(path):
-        opened[path.name] += 1
-        return read_json(path)
+    def counted_json(text, where):
+        opened[Path(where).name] += 1
+        return parse_json(text, where)
 
-    def counted_bound(path, column):
-        opened[path.name] += 1
-        return parquet_bound(path, column)
+    def counted_bound(source, path, column):
+        opened[Path(path).name] += 1
+        return parquet_bound(source, path, column)
 
-    monkeypatch.setattr(sizes_module, "_read_json", counted_json)
+    monkeypatch.setattr(sizes_module, "_parse_json", counted_json)
     monkeypatch.setattr(sizes_module, "_parquet_bound", counted_bound)
     trainer = make_trainer(out, "fastclip_v3", tmp_path)
     assert opened == {

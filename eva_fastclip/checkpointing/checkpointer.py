@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from eva_fastclip.checkpointing import checkpoint, resume_config
+from eva_fastclip.checkpointing.remote_copy import RemoteCopy
 from eva_fastclip.optim.param_groups import TEMPERATURE_GROUP
 from eva_fastclip.optim.schedule import WarmupCosine, retarget_schedule
 from eva_fastclip.plan.run_plan import RunPlan
@@ -40,6 +41,8 @@ class Checkpointer:
         self.loader_position: dict[str, Any] | None = None  # the resumed epoch's data position
         # the loader's position as of the steps trained (engine/step_batches.py: not the step fetched ahead)
         self.loader_state: Callable[[], dict[str, Any] | None] | None = None
+        remote_dir, keep = plan.config.train.remote_dir, plan.config.train.keep_checkpoints
+        self.remote = RemoteCopy(self.root.parent, remote_dir, keep) if remote_dir and rank.is_main else None
 
     def folder_of(self, step: int) -> Path:
         return self.root / checkpoint.tag_for_step(step)
@@ -76,7 +79,14 @@ class Checkpointer:
             },
         )
         self.saved_step, self.saved_at = state["step"], time.monotonic()
+        if self.remote is not None:  # copied in the background (train.remote_dir)
+            self.remote.checkpoint_saved(folder)
         return folder
+
+    def finish_copies(self) -> None:
+        """At the run's end or stop: wait for the copies to train.remote_dir, the logs included."""
+        if self.remote is not None:
+            self.remote.finish()
 
     def _temperature(self) -> dict[str, Any]:
         return {"temperature": self.temperature.state_dict()}

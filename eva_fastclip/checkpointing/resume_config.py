@@ -67,6 +67,7 @@ RULES: dict[str, Rule] = {
     "data.workers": Rule(CHANGE),
     "data.index_key": Rule(CHANGE),
     "data.image_decode": Rule(CHANGE),  # the same crops either way: only where the decode runs changes
+    "train.remote_dir": Rule(CHANGE),  # where copies go: the run's state is the same
     "data.caption_keys": Rule(CHANGE),  # which captions train from here on: the data, not the state
     "data.caption_weights": Rule(CHANGE),
     "data.read_retries": Rule(CHANGE),  # how a failed request is retried: not what is read

@@ -112,6 +112,10 @@ class TrainConfig:
     """Logging windows in a row a rank must be behind before it is named."""
     keep_checkpoints: int = 2
     """Complete checkpoints kept; older ones are deleted only after a newer one is complete."""
+    remote_dir: str | None = None
+    """An object store's folder (s3://bucket/runs/x, gs://..., any fsspec URL) each complete checkpoint and
+    the run's logs are copied to in the background; --resume latest on a fresh node brings the newest down
+    (docs/checkpoints.md). train.keep_checkpoints applies there too. null: none."""
     log_every_steps: int = 10
     """TensorBoard logging period in optimizer steps (the console's progress bar shows every step's loss)."""
     peak_tflops: float | None = None
@@ -171,6 +175,11 @@ class TrainConfig:
                 f"{', '.join(PREEMPT_SIGNALS)} (SIGTERM and SIGINT are always caught), or null"
             )
         _positive("train.keep_checkpoints", self.keep_checkpoints)
+        if self.remote_dir is not None and "://" not in self.remote_dir:
+            raise ConfigError(
+                "train.remote_dir must be an object store's URL (s3://bucket/runs/x), got "
+                f"{self.remote_dir!r}: train.output_dir is the local folder"
+            )
         _positive("train.log_every_steps", self.log_every_steps)
         if self.peak_tflops is not None:
             _positive("train.peak_tflops", self.peak_tflops)

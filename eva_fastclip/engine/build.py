@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from eva_fastclip.checkpointing import checkpoint
+from eva_fastclip.checkpointing.remote_copy import bring_down_latest
 from eva_fastclip.config import ExperimentConfig
 from eva_fastclip.engine.trainer import Trainer
 from eva_fastclip.plan.precision import common_hardware, detect_hardware
@@ -46,6 +47,8 @@ def build_trainer(
             lock.acquire()
         if resume is not None:
             checkpoint.recover(Path(cfg.train.output_dir) / "checkpoints")
+        if resume == "latest" and cfg.train.remote_dir:  # a fresh node's empty folder: the remote's newest
+            bring_down_latest(cfg.train.remote_dir, Path(cfg.train.output_dir) / "checkpoints")
         made = make_plan(
             cfg,
             ds,

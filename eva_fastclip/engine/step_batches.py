@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch.distributed as dist
@@ -32,8 +33,13 @@ class DataUnavailable(RuntimeError):
 class StepBatches:
     """Micro-batches ``accumulation`` to a step, the next step's fetched at :meth:`fetch_step`."""
 
-    def __init__(self, loader: Any, accumulation: int, set_phase: Callable[[], None]) -> None:
-        self.loader, self.accumulation, self.set_phase = loader, accumulation, set_phase
+    def __init__(
+        self, loader: Any, accumulation: int, fetching: Callable[[], AbstractContextManager]
+    ) -> None:
+        """``fetching``: the hang watchdog's phase while the rank waits for its loader (the phase it was
+        in comes back after: a rank that then waits for the others at the step's boundary is not named
+        as waiting for its loader)."""
+        self.loader, self.accumulation, self.fetching = loader, accumulation, fetching
         self.failure: str | None = None  # why this rank's loader cannot go on (one line)
         self._ahead: deque = deque()
         self._batches: Iterator | None = None
@@ -55,16 +61,16 @@ class StepBatches:
         if self._batches is None:
             return
         self._position = self.loader.state_dict() if hasattr(self.loader, "state_dict") else None
-        for _ in range(self.accumulation):
-            self.set_phase()
-            try:
-                self._ahead.append(next(self._batches))
-            except StopIteration:
-                self._batches = None
-                return
-            except ShardUnreachable as err:
-                self.failure, self._batches = _one_line(err), None
-                return
+        with self.fetching():
+            for _ in range(self.accumulation):
+                try:
+                    self._ahead.append(next(self._batches))
+                except StopIteration:
+                    self._batches = None
+                    return
+                except ShardUnreachable as err:
+                    self.failure, self._batches = _one_line(err), None
+                    return
 
     def failures(self, world_size: int) -> str:
         """Every rank's :attr:`failure`, named by rank (a collective: every rank calls it)."""

@@ -110,9 +110,7 @@ class Trainer:
         )
         # each step's micro-batches fetched before the boundary of the step before (a loader that cannot
         # go on stops every rank there, saved): the checkpoint's data position leaves them out
-        self.batches = StepBatches(
-            self.loader, self.layout.grad_accum_steps, lambda: self.watchdog.set_phase("loader", self.step)
-        )
+        self.batches = StepBatches(self.loader, self.layout.grad_accum_steps, self._fetching)
         self.checkpointer.loader_state = self.batches.loader_state
         if plan.resume is not None:
             self.load_state_dict(self.checkpointer.restore())
@@ -157,7 +155,10 @@ class Trainer:
         """Train to the end; a stop asked for (a signal, the launcher's end) saves and raises Preempted."""
         self.checkpointer.saved_at = time.monotonic()  # train.save_every_minutes counts from here
         with Preemption(self.cfg.train.preempt_signal) as self.preemption:
-            return self._train()
+            try:
+                return self._train()
+            finally:  # a stop too: the copies to train.remote_dir go up before the process does
+                self.checkpointer.finish_copies()
 
     def _train(self) -> dict[str, float]:
         cfg = self.cfg.train
@@ -404,6 +405,11 @@ class Trainer:
         if self.preemption is not None:
             self.preemption.mark()  # the next step's time leaves the save out
         return folder
+
+    def _fetching(self):
+        """The watchdog's phase while the rank waits for its loader."""
+        self.watchdog.step = self.step
+        return self.watchdog.phase("loader")
 
     def _agree_on_data(self, failed: bool) -> None:
         """At an epoch's start, its first step fetched: stop every rank where one's loader failed."""

@@ -118,7 +118,7 @@ def check_inputs(
     problems = check_model(cfg) + check_image_decode(cfg) + check_compile(cfg) + check_eval(cfg)
     problems += check_output_dir(cfg.train.output_dir)
     if resume is None:
-        problems += check_earlier_run(cfg.train.output_dir)
+        problems += check_earlier_run(cfg.train.output_dir, cfg.train.remote_dir)
     if train_shards:
         problems += check_train_shards(cfg)[1]
     return problems
@@ -368,9 +368,10 @@ def _hf_local(name: str, files: tuple[str, ...]) -> bool:
     return False
 
 
-def check_earlier_run(output_dir: str) -> list[Problem]:
-    """A run without ``--resume`` in a folder that holds complete checkpoints would start over its step
-    log and let retention delete the earlier run's checkpoints: it does not start, and touches nothing."""
+def check_earlier_run(output_dir: str, remote_dir: str | None = None) -> list[Problem]:
+    """A run without ``--resume`` in a folder (or a train.remote_dir) that holds complete checkpoints would
+    start over its step log and let retention delete the earlier run's checkpoints: it does not start, and
+    touches nothing."""
     from eva_fastclip.checkpointing.checkpoint import complete_checkpoints
 
     root = Path(output_dir) / "checkpoints"
@@ -378,6 +379,8 @@ def check_earlier_run(output_dir: str) -> list[Problem]:
         found = complete_checkpoints(root)
     except OSError:  # unreadable: check_output_dir names it
         return []
+    if not found and remote_dir:
+        return _earlier_remote_run(remote_dir)
     if not found:
         return []
     return [
@@ -387,6 +390,27 @@ def check_earlier_run(output_dir: str) -> list[Problem]:
             f"{found[-1]}); a run that starts over there would cut its train_log.jsonl and delete them "
             f"(train.keep_checkpoints). Continue it with --resume latest; to start over, choose another "
             f"train.output_dir or delete {root} first",
+        )
+    ]
+
+
+def _earlier_remote_run(remote_dir: str) -> list[Problem]:
+    from eva_fastclip.checkpointing.remote_copy import remote_checkpoints
+    from eva_fastclip.data.remote import url_fs
+
+    try:
+        fs, root = url_fs(remote_dir.rstrip("/"))
+        found = remote_checkpoints(fs, root)
+    except Exception as err:  # noqa: BLE001 (every client's own errors: named, as a problem)
+        return [Problem("train.remote_dir", f"{remote_dir} cannot be listed ({type(err).__name__}: {err})")]
+    if not found:
+        return []
+    return [
+        Problem(
+            "--resume",
+            f"train.remote_dir={remote_dir} holds complete checkpoints of an earlier run (the latest: "
+            f"{found[-1]}): one run per folder, there as in train.output_dir. Continue it with --resume "
+            "latest (a fresh node brings the latest down); to start over, choose another train.remote_dir",
         )
     ]
 

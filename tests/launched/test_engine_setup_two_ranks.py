@@ -82,7 +82,8 @@ def test_ranks_on_different_cpus_agree_on_one_precision(two_rank_suite):
 
 
 #: remote shards that record no size: rank 0's plan stops the run (FORMATS.md: a URL is read only in training)
-REMOTE_SHARDS = "s3://bucket/x/shard-{000000..000003}.tar"
+#: OpenCLIP's remote shards: a command's output, which no record beside it counts
+REMOTE_SHARDS = "pipe:curl -s https://host/x/shard-{000000..000003}.tar"
 
 
 def preflight_error(out):
@@ -111,5 +112,7 @@ def test_a_plan_error_prints_the_same_readable_list_on_every_rank(two_rank_suite
     lines = [p["stderr"].strip().splitlines() for p in printed]
     assert lines[0] == lines[1]
     assert lines[0][0] == "eva-fastclip train: error: 1 problem(s) before step 1:"
-    assert lines[0][1].startswith("  - data.num_samples: cannot tell how many samples the shards hold: s3://")
+    assert lines[0][1].startswith(
+        "  - data.num_samples: cannot tell how many samples the shards hold: pipe:curl -s https://host/x/"
+    )
     assert len(lines[0]) == 2

@@ -1,0 +1,128 @@
+"""train.remote_dir (checkpointing/remote_copy.py) against moto's S3 server, started by the test on the
+loopback: each complete checkpoint and the logs go up in the background, keep_checkpoints applies there; a
+run whose output folder was deleted (a fresh node) resumes with --resume latest from the remote and ends
+as the uninterrupted run does; a copy killed midway (SIGKILL, the uploads stalled by the server) is never
+chosen; a fresh run on a remote folder with checkpoints is refused before it starts."""
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from object_store import BUCKET, start_s3
+from stand_ins import MASKED, StandInBatches, toy_config, toy_trainer
+
+from eva_fastclip.checkpointing.remote_copy import bring_down_latest, remote_checkpoints
+from eva_fastclip.data.remote import url_fs
+from eva_fastclip.plan import preflight
+from eva_fastclip.reliability.preemption import Preempted
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server = start_s3()
+    yield server
+    server.stop()
+
+
+class StoppedAtBatch(StandInBatches):
+    """The stand-in batches, a SIGTERM to this process (a scheduler's stop) as batch ``stop`` is drawn."""
+
+    def __init__(self, stop: int | None) -> None:
+        super().__init__(6, 8)
+        self.stop = stop
+
+    def __iter__(self):
+        for number, batch in enumerate(super().__iter__()):
+            if number == self.stop:
+                os.kill(os.getpid(), signal.SIGTERM)
+            yield batch
+
+
+def run(output_dir, *, remote: str | None, resume: str | None = None, stop: int | None = None):
+    """Six steps of the toy model, a save every 2 and at a stop, one kept; the trainer and its last step."""
+    sets = ["train.steps=6", "train.save_every_steps=2", "train.keep_checkpoints=1"]
+    if remote:
+        sets.append(f"train.remote_dir={remote}")
+    trainer = toy_trainer(toy_config(output_dir, *MASKED, *sets), loader=StoppedAtBatch(stop), resume=resume)
+    with contextlib.suppress(Preempted):
+        trainer.train()
+    return trainer
+
+
+def step_losses(output_dir) -> dict[int, float]:
+    lines = (output_dir / "train_log.jsonl").read_text().splitlines()
+    return {record["step"]: record["loss"] for record in map(json.loads, lines)}
+
+
+def weights(trainer) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in trainer.engine.module.named_parameters()}
+
+
+def test_a_fresh_node_resumes_from_the_remote_as_the_run_goes_on(s3, tmp_path):
+    import boto3
+
+    boto3.client("s3", endpoint_url=s3.endpoint).create_bucket(Bucket=BUCKET)
+    remote = f"s3://{BUCKET}/runs/a"
+    whole = run(tmp_path / "whole", remote=None)
+    stopped = run(tmp_path / "node-1", remote=remote, stop=3).step  # preempted: saved and copied first
+    assert 2 < stopped < 6
+    fs, root = url_fs(remote)
+    assert remote_checkpoints(fs, root) == [f"step_{stopped:08d}"]  # keep_checkpoints=1 there too
+    assert fs.exists(f"{root}/train_log.jsonl") and fs.exists(f"{root}/config.json")
+    assert fs.find(f"{root}/tensorboard")
+
+    with pytest.raises(preflight.PreflightError, match="holds complete checkpoints of an earlier run"):
+        cfg = toy_config(tmp_path / "elsewhere", *MASKED, "train.steps=6", f"train.remote_dir={remote}")
+        preflight.raise_for_errors(preflight.check_inputs(cfg, resume=None), log_warnings=False)
+
+    shutil.rmtree(tmp_path / "node-1")  # the node is gone: a fresh one, its output folder empty
+    resumed = run(tmp_path / "node-1", remote=remote, resume="latest")
+    assert step_losses(tmp_path / "node-1") == pytest.approx(step_losses(tmp_path / "whole"), abs=1e-6)
+    theirs, ours = weights(whole), weights(resumed)
+    assert all(torch.equal(theirs[name], ours[name]) for name in theirs)
+    assert remote_checkpoints(fs, root) == ["step_00000006"]
+
+
+def test_a_copy_killed_midway_is_never_chosen(s3, tmp_path):
+    """A process copying step 8 is SIGKILLed once some of its files are up (each PUT stalled 0.3 s by the
+    server): the remote holds step 8's files without its marker, and --resume latest brings step 6 down."""
+    remote = f"s3://{BUCKET}/runs/b"
+    run(tmp_path / "run", remote=remote)
+    fs, root = url_fs(remote)
+    assert remote_checkpoints(fs, root) == ["step_00000006"]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    shutil.copytree(checkpoints / "step_00000006", tmp_path / "step_00000008")
+    copier = textwrap.dedent(f"""
+        from pathlib import Path
+        from eva_fastclip.checkpointing.remote_copy import RemoteCopy
+        RemoteCopy(Path({str(tmp_path / "run")!r}), {remote!r}, keep=5)._copy_checkpoint(
+            Path({str(tmp_path / "step_00000008")!r}))
+        print("copied whole", flush=True)
+    """)
+    s3.faults.put_stall_s = 0.3
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", copier], stdout=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not fs.find(f"{root}/checkpoints/step_00000008", refresh=True):
+            time.sleep(0.1)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait() == -signal.SIGKILL and "copied whole" not in proc.stdout.read()
+    finally:
+        s3.faults.clear()
+    fs.invalidate_cache()
+    left = fs.find(f"{root}/checkpoints/step_00000008")
+    assert left and not any(path.endswith("COMPLETE.json") for path in left)
+    assert remote_checkpoints(fs, root) == ["step_00000006"]
+    fresh = tmp_path / "fresh" / "checkpoints"
+    assert bring_down_latest(remote, fresh) == fresh / "step_00000006"
+    assert (fresh / "step_00000006" / "COMPLETE.json").is_file()
+    assert (tmp_path / "fresh" / "train_log.jsonl").is_file()  # the logs the fresh folder lacked
