@@ -53,15 +53,24 @@ def openclip_patched() -> Iterator[types.ModuleType]:
         data.group_by_keys_nothrow = original
 
 
-def openclip_batches(urls: list[str], preprocess, tokenizer, batch_size: int, workers: int, seed: int):
+def openclip_batches(
+    urls: list[str],
+    preprocess,
+    tokenizer,
+    batch_size: int,
+    workers: int,
+    seed: int,
+    local: list[str] | None = None,
+):
     """OpenCLIP's training loader (``get_wds_dataset``, as open_clip_train's ``get_data`` calls it for
-    ``--dataset-type webdataset``) over ``urls``, and its batches per epoch. Call it inside
+    ``--dataset-type webdataset``) over ``urls``, and its batches per epoch; its --train-num-samples from
+    the img2dataset records beside the ``local`` copies of remote ``urls``. Call it inside
     :func:`openclip_patched` and iterate it there: its workers start with the first iteration."""
     data = openclip_data()
     args = argparse.Namespace(
         train_data="::".join(urls),
         val_data=None,
-        train_num_samples=sum(_stats_successes(url) for url in urls),  # its --train-num-samples
+        train_num_samples=sum(_stats_successes(url) for url in local or urls),  # its --train-num-samples
         dataset_resampled=False,
         train_data_upsampling_factors=None,
         batch_size=batch_size,

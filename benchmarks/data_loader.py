@@ -54,6 +54,7 @@ import torch
 from benchmarks.command_line import run_main
 from benchmarks.data_contestants import openclip_batches, openclip_patched, our_batches, training_transform
 from benchmarks.data_floor import STAGES, decode_floor, stage_times
+from benchmarks.data_remote import OPENCLIP_PIPE, OURS_S3, remote_servers, remote_table, remote_urls
 from benchmarks.data_shards import KINDS, bench_shards
 from eva_fastclip.data.throughput import descendants, measure, on_device, wait_for_workers_to_exit
 from eva_fastclip.data.workers import start_worker_server
@@ -83,13 +84,15 @@ def run_data_benchmark(
     shuffle_buffer: int = 1000,
     seed: int = 0,
     device: str | None = None,
+    remote: bool = False,
     command: str | None = None,
 ) -> dict[str, Any]:
     """Every (shard kind, worker count): ``repeats`` runs of each loader, alternating, and the decode
     floor; the results are written under ``output`` (``data_loader.json``, ``data_loader.md``).
 
     With ``device`` every batch is also made into the model's input there, as the trainer makes it, and
-    a third loader runs: ours with the JPEGs decoded on ``device`` (``data.image_decode=gpu``)."""
+    a third loader runs: ours with the JPEGs decoded on ``device`` (``data.image_decode=gpu``). With
+    ``remote`` both loaders also read the shards from servers on the loopback (benchmarks/data_remote.py)."""
     import open_clip
 
     target = _check_device(device)
@@ -98,40 +101,43 @@ def run_data_benchmark(
     paths = bench_shards(data, shards, per_shard, seed)
     preprocess = training_transform(model)
     tokenizer = open_clip.get_tokenizer(model)
-    loaders = _contestants(shuffle_buffer, target)
-    start_worker_server()  # our workers' fork server, once: among the processes each run leaves out
-    runs = []
-    for kind in kinds:
-        for w in workers:
-            for repeat in range(repeats):
-                for name in loaders if repeat % 2 == 0 else list(loaders)[::-1]:
-                    make = functools.partial(
-                        loaders[name], paths[kind], preprocess, tokenizer, batch_size, w, seed
-                    )
-                    where = dict(kind=kind, loader=name, workers=w, repeat=repeat)
-                    runs.append(_one_run(make, target, warmup, timed[w], **where))
+    loaders = _contestants(shuffle_buffer, target, remote)
+    with remote_servers(Path(data), kinds) if remote else contextlib.nullcontext() as servers:
+        urls = remote_urls(paths, Path(data), servers) if remote else {}
+        start_worker_server()  # our workers' fork server, once: among the processes each run leaves out
+        common = (preprocess, tokenizer, batch_size)
+        runs = []
+        for kind in kinds:
+            for w in workers:
+                for repeat in range(repeats):
+                    for name in loaders if repeat % 2 == 0 else list(loaders)[::-1]:
+                        make = _maker(loaders, name, kind, paths, urls, common, w, seed)
+                        where = dict(kind=kind, loader=name, workers=w, repeat=repeat)
+                        runs.append(_one_run(make, target, warmup, timed[w], **where))
     # after every loader run: the bytes it reads would otherwise stay in the heap that workers fork from
     floor = {
         kind: _floor(paths[kind][0], floor_samples, repeats, preprocess, tokenizer, batch_size)
         for kind in kinds
     }
-    results = {
+    settings = dict(model=model, batch_size=batch_size, workers=workers, repeats=repeats,
+                    warmup_batches=warmup, shards=shards, per_shard=per_shard, data=str(data),
+                    device=None if target is None else str(target), remote=remote)  # fmt: skip
+    results = _record(command, settings, shuffle_buffer, runs, floor)
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "data_loader.json").write_text(json.dumps(results, indent=2))
+    (out / "data_loader.md").write_text(format_data_report(results) + "\n")
+    return {**results, "output": str(out)}
+
+
+def _record(command, settings: dict, shuffle_buffer: int, runs: list, floor: dict) -> dict[str, Any]:
+    return {
         "what": "training loader throughput: ours (TrainLoader) against OpenCLIP's get_wds_dataset",
         "command": command,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
         "versions": _versions(),
-        "settings": {
-            "model": model,
-            "batch_size": batch_size,
-            "workers": workers,
-            "repeats": repeats,
-            "warmup_batches": warmup,
-            "shards": shards,
-            "per_shard": per_shard,
-            "data": str(data),
-            "device": None if target is None else str(target),
-        },
+        "settings": settings,
         "shuffle_buffer": {
             "ours": f"{shuffle_buffer} samples per worker (data.shuffle_buffer), encoded bytes",
             "openclip": "5000 samples per worker (1000 before the first), encoded bytes; shards: 2000",
@@ -141,11 +147,15 @@ def run_data_benchmark(
         "summary": _summary(runs),
         "floor": floor,
     }
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "data_loader.json").write_text(json.dumps(results, indent=2))
-    (out / "data_loader.md").write_text(format_data_report(results) + "\n")
-    return {**results, "output": str(out)}
+
+
+def _maker(loaders, name: str, kind: str, paths, urls, common: tuple, workers: int, seed: int):
+    """What builds loader ``name`` over the ``kind`` shards (their URLs on its server, if it reads one)."""
+    loader = loaders[name]
+    if name == OPENCLIP_PIPE:  # its --train-num-samples from the local copies' records
+        loader = functools.partial(loader, local=paths[kind])
+    sources = urls[name][kind] if name in urls else paths[kind]
+    return functools.partial(loader, sources, *common, workers, seed)
 
 
 def _timed_batches(
@@ -174,13 +184,16 @@ def _timed_batches(
     return timed
 
 
-def _contestants(shuffle_buffer: int, target: torch.device | None) -> dict[str, Any]:
+def _contestants(shuffle_buffer: int, target: torch.device | None, remote: bool) -> dict[str, Any]:
     """Loader name -> the function that builds it (urls, preprocess, tokenizer, batch, workers, seed)."""
     pin = target is not None and target.type == "cuda"  # as the trainer pins for a GPU
     loaders = {
         "ours": functools.partial(our_batches, shuffle_buffer=shuffle_buffer, pin_memory=pin),
         "openclip": openclip_batches,
     }
+    if remote:
+        loaders[OURS_S3] = loaders["ours"]
+        loaders[OPENCLIP_PIPE] = openclip_batches
     if target is not None:
         loaders[DEVICE_DECODE] = functools.partial(
             our_batches, shuffle_buffer=shuffle_buffer, decode_device=target, pin_memory=pin
@@ -192,7 +205,8 @@ def _one_run(make, target, warmup: int, timed: int, **where) -> dict[str, Any]:
     """One measured run of a loader (``where``: its kind, loader, workers and repeat), its workers gone
     before it returns."""
     others = set(descendants())  # e.g. multiprocessing's resource tracker
-    with openclip_patched() if where["loader"] == "openclip" else contextlib.nullcontext():
+    openclip = where["loader"] in ("openclip", OPENCLIP_PIPE)
+    with openclip_patched() if openclip else contextlib.nullcontext():
         loader, _ = make()
         batches = loader if target is None else on_device(loader, target)
         result = measure(batches, warmup, timed, workers=where["workers"])
@@ -306,6 +320,8 @@ def format_data_report(results: dict[str, Any]) -> str:
         )
     if s.get("device"):
         lines += _device_decode_table(results["summary"], s["device"])
+    if s.get("remote"):
+        lines += remote_table(results["summary"])
     lines += _floor_tables(results["floor"])
     buffers = results["shuffle_buffer"]
     lines += [
@@ -411,6 +427,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also make every batch the model's input on this device (cuda, or cpu), and time ours with "
         "the JPEGs decoded there (data.image_decode=gpu); default: the loaders alone",
     )
+    p.add_argument(
+        "--remote",
+        action="store_true",
+        help="also read the shards from loopback servers: ours from moto's S3 server, OpenCLIP's through "
+        "pipe:curl from an HTTP server (needs the dev extra: moto[server], s3fs)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny shards, one run each (a smoke test)")
     return p
 
@@ -435,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
             floor_samples=20 if args.quick else 500,
             shuffle_buffer=args.shuffle_buffer,
             device=args.device,
+            remote=args.remote,
             command=shlex.join(command),
             **sizes,
         )

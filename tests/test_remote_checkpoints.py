@@ -16,9 +16,9 @@ import time
 
 import pytest
 import torch
-from object_store import BUCKET, start_s3
 from stand_ins import MASKED, StandInBatches, toy_config, toy_trainer
 
+from benchmarks.object_store import BUCKET, start_s3
 from eva_fastclip.checkpointing.remote_copy import bring_down_latest, remote_checkpoints
 from eva_fastclip.data.remote import url_fs
 from eva_fastclip.plan import preflight

@@ -10,9 +10,9 @@ import time
 
 import pytest
 import torch
-from object_store import BUCKET, start_http, start_s3
 from test_data import PREPROCESS, check_batch, make_indexed_shards
 
+from benchmarks.object_store import BUCKET, start_http, start_s3
 from eva_fastclip.data import TrainLoader, expand_urls, resolve_sizes
 from eva_fastclip.data.remote import RemoteShard, Retries, ShardUnreachable
 

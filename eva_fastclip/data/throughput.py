@@ -41,13 +41,29 @@ def descendants() -> list[int]:
     return pids
 
 
-def cpu_seconds(pid: int | str) -> float:
-    """utime + stime of a process (all its threads), in seconds; 0 for one that has exited."""
+def cpu_seconds(pid: int | str, children: bool = False) -> float:
+    """utime + stime of a process (all its threads), in seconds, with ``children`` those of its children
+    it has waited for (a ``pipe:`` shard's command); 0 for one that has exited."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / _TICKS
+    own = int(fields[11]) + int(fields[12])
+    return (own + (int(fields[13]) + int(fields[14]) if children else 0)) / _TICKS
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def loader_workers(others: set[int]) -> list[int]:
+    """This process's descendants but ``others`` whose parent is not one of them: a loader's workers, not
+    the commands they run (a ``pipe:`` shard's shell and curl)."""
+    new = set(descendants()) - others
+    return sorted(pid for pid in new if _parent(pid) not in new)
 
 
 def memory_mib(pid: int) -> tuple[float, float]:
@@ -123,17 +139,17 @@ def measure(
             if i == 0:
                 images, tokens = batch[0], batch[1]
             if i == warmup - 1:  # the window starts once the warm-up batches are in
-                pids = sorted(set(descendants()) - others)
-                cpu0 = time.process_time() + sum(cpu_seconds(pid) for pid in pids)
+                pids = loader_workers(others)
+                cpu0 = time.process_time() + sum(cpu_seconds(pid, children=True) for pid in pids)
                 wall0 = time.perf_counter()
             elif i >= warmup:
                 samples += len(batch[0])
         wall = time.perf_counter() - wall0
         # this process's own clock is exact; the workers' come in clock ticks (10 ms), so a short window
         # can read 0 for them (it read 0 in all, with /proc's ticks for this process too)
-        cpu = time.process_time() + sum(cpu_seconds(pid) for pid in pids) - cpu0
+        cpu = time.process_time() + sum(cpu_seconds(pid, children=True) for pid in pids) - cpu0
         sampler.sample()  # the workers are alive until the iterator is dropped
-        at_end = sorted(set(descendants()) - others)
+        at_end = loader_workers(others)
         if len(pids) != workers or at_end != pids:
             raise RuntimeError(
                 f"expected the loader's {workers} worker processes throughout the timed batches, found "

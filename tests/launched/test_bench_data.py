@@ -16,7 +16,7 @@ import open_clip
 import pytest
 from PIL import Image
 
-from benchmarks import data_contestants, data_floor, data_loader, data_shards
+from benchmarks import data_contestants, data_floor, data_loader, data_remote, data_shards
 from benchmarks.data_loader import main
 from eva_fastclip.data import throughput
 
@@ -114,14 +114,17 @@ def short_run(shards, output, **options):
 
 
 def test_one_short_run_of_both_loaders(shards, tmp_path):
+    """Both loaders on the local files, and (--remote) ours from a loopback S3 server and OpenCLIP's
+    through pipe:curl from an HTTP server, each server a process of its own."""
     before = set(throughput.descendants())
-    results = short_run(shards, tmp_path / "out", batches=3)
+    results = short_run(shards, tmp_path / "out", batches=3, remote=True)
     written = json.loads((tmp_path / "out" / "data_loader.json").read_text())
     assert written["summary"] == results["summary"]
     markdown = (tmp_path / "out" / "data_loader.md").read_text()
     assert "| 256px | 1 |" in markdown and "Decode-only floor" in markdown
+    assert "From the loopback servers" in markdown
     runs = {run["loader"]: run for run in results["runs"]}
-    assert set(runs) == {"ours", "openclip"}
+    assert set(runs) == {"ours", "openclip", data_remote.OURS_S3, data_remote.OPENCLIP_PIPE}
     for run in runs.values():
         assert run["samples"] == 3 * 8 and run["workers"] == 1
         assert run["image_shape"] == [8, 3, 224, 224] and run["token_shape"] == [8, 77]

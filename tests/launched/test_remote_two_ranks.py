@@ -57,8 +57,7 @@ def _train(cfg, resume: str | None = None) -> None:
 def remote_runs(out: Path) -> None:
     """Every rank: the same toy run from the local folder, from S3, from S3 with every shard's first
     transfer cut, from S3 with one shard unreachable (DataUnavailable expected) and its resume."""
-    from object_store import start_s3
-
+    from benchmarks.object_store import start_s3
     from eva_fastclip.data import write_toy_dataset
     from eva_fastclip.engine.step_batches import DataUnavailable
 

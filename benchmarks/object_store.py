@@ -146,9 +146,15 @@ def _keys() -> dict[str, str]:
 
 
 def start_s3() -> S3Server:
+    """A server, and this process's environment pointed at it (and so the processes it starts)."""
+    import s3fs
+
     server = S3Server()
     server.start()
-    os.environ.update(server.environment())  # this process and the ones it starts
+    os.environ.update(server.environment())
+    # fsspec keeps one S3FileSystem per set of arguments for the process's life: one made for an earlier
+    # server (another test module's) would still call that server's endpoint
+    s3fs.S3FileSystem.clear_instance_cache()
     return server
 
 
@@ -205,3 +211,35 @@ def start_http(folder: Path) -> tuple[http.server.ThreadingHTTPServer, Faults]:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a: handler(*a, directory=str(folder)))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, faults
+
+
+def serve(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.object_store s3|http ROOT [SUBFOLDER ...]``: ROOT served on the loopback by
+    a process of its own (a benchmark's CPU counts leave it out), one JSON line on stdout saying where
+    (s3: every file of each SUBFOLDER uploaded under ``s3://BUCKET/<SUBFOLDER>/``), until stdin closes."""
+    import argparse
+    import json
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.object_store")
+    parser.add_argument("kind", choices=["s3", "http"])
+    parser.add_argument("root", type=Path)
+    parser.add_argument("folders", nargs="*")
+    args = parser.parse_args(argv)
+    if args.kind == "s3":
+        server = start_s3()
+        for folder in args.folders:
+            server.upload(args.root / folder, folder)
+        said = {"environment": server.environment(), "url": f"s3://{BUCKET}"}
+    else:
+        httpd, _ = start_http(args.root)
+        said = {"url": f"http://127.0.0.1:{httpd.server_address[1]}"}
+    print(json.dumps(said), flush=True)
+    sys.stdin.read()  # until the benchmark ends (closes the pipe)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(serve())
