@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -22,7 +23,9 @@ from benchmarks.object_store import BUCKET, start_s3
 from eva_fastclip.checkpointing.remote_copy import bring_down_latest, remote_checkpoints
 from eva_fastclip.data.remote import url_fs
 from eva_fastclip.plan import preflight
+from eva_fastclip.reliability import remote_lock
 from eva_fastclip.reliability.preemption import Preempted
+from eva_fastclip.reliability.run_lock import FolderHeld
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +129,36 @@ def test_a_copy_killed_midway_is_never_chosen(s3, tmp_path):
     assert bring_down_latest(remote, fresh) == fresh / "step_00000006"
     assert (fresh / "step_00000006" / "COMPLETE.json").is_file()
     assert (tmp_path / "fresh" / "train_log.jsonl").is_file()  # the logs the fresh folder lacked
+
+
+def test_one_run_per_remote_folder(s3, monkeypatch, caplog):
+    """A remote run lock whose beat count moves (a live run on another node) stops a second run before it
+    starts, naming the holder; one whose count stands still for the watch (1.5 s here) is taken over."""
+    monkeypatch.setattr(remote_lock, "WATCH_S", 1.5)
+    remote = f"s3://{BUCKET}/runs/c"
+    fs, root = url_fs(remote)
+    record = {"host": "node-9", "pid": 77, "started": 1.0, "beat": 0}
+    beating = threading.Event()
+
+    def beat():  # node-9's run, alive
+        while not beating.wait(0.3):
+            record["beat"] += 1
+            fs.pipe_file(f"{root}/run.lock", json.dumps(record).encode())
+
+    fs.pipe_file(f"{root}/run.lock", json.dumps(record).encode())
+    beater = threading.Thread(target=beat)
+    beater.start()
+    try:
+        with pytest.raises(FolderHeld, match=r"is held by a live run \(host node-9, pid 77"):
+            remote_lock.hold(remote)
+    finally:
+        beating.set()
+        beater.join()
+    started = time.monotonic()
+    remote_lock.hold(remote)  # node-9 died: its count stood still
+    print(f"the dead run's remote lock taken over after {time.monotonic() - started:.1f} s")
+    assert "taking over" in caplog.text and "(host node-9, pid 77)" in caplog.text
+    assert json.loads(fs.cat_file(f"{root}/run.lock"))["pid"] == os.getpid()
+    remote_lock.give_up(remote)
+    fs.invalidate_cache()
+    assert not fs.exists(f"{root}/run.lock")

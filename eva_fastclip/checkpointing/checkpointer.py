@@ -24,6 +24,7 @@ from eva_fastclip.checkpointing.remote_copy import RemoteCopy
 from eva_fastclip.optim.param_groups import TEMPERATURE_GROUP
 from eva_fastclip.optim.schedule import WarmupCosine, retarget_schedule
 from eva_fastclip.plan.run_plan import RunPlan
+from eva_fastclip.reliability import remote_lock
 from eva_fastclip.reliability.process import Rank, rng_state, seed_everything, set_rng_state
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class Checkpointer:
         """At the run's end or stop: wait for the copies to train.remote_dir, the logs included."""
         if self.remote is not None:
             self.remote.finish()
+            remote_lock.give_up(self.plan.config.train.remote_dir)  # the run is done with the folder
 
     def _temperature(self) -> dict[str, Any]:
         return {"temperature": self.temperature.state_dict()}

@@ -19,6 +19,7 @@ from eva_fastclip.config import ExperimentConfig
 from eva_fastclip.engine.trainer import Trainer
 from eva_fastclip.plan.precision import common_hardware, detect_hardware
 from eva_fastclip.plan.run_plan import RunPlan, make_plan
+from eva_fastclip.reliability import remote_lock
 from eva_fastclip.reliability.process import join_process_group, on_rank0, seed_everything
 from eva_fastclip.reliability.run_lock import RunLock
 from eva_fastclip.reliability.watchdog import Watchdog
@@ -47,6 +48,8 @@ def build_trainer(
             lock.acquire()
         if resume is not None:
             checkpoint.recover(Path(cfg.train.output_dir) / "checkpoints")
+        if cfg.train.remote_dir:  # one run per remote folder too, before anything comes down or goes up
+            remote_lock.hold(cfg.train.remote_dir)
         if resume == "latest" and cfg.train.remote_dir:  # a fresh node's empty folder: the remote's newest
             bring_down_latest(cfg.train.remote_dir, Path(cfg.train.output_dir) / "checkpoints")
         made = make_plan(
