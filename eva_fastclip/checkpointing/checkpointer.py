@@ -86,9 +86,14 @@ class Checkpointer:
 
     def finish_copies(self) -> None:
         """At the run's end or stop: wait for the copies to train.remote_dir, the logs included."""
-        if self.remote is not None:
+        if self.remote is None:
+            return
+        try:
             self.remote.finish()
-            remote_lock.give_up(self.plan.config.train.remote_dir)  # the run is done with the folder
+        except Exception as err:  # noqa: BLE001 (the run's own outcome stands; the copies are named)
+            log.error("%s: the last copies did not go up (%s): the checkpoints copied before are whole",
+                      self.remote.remote_dir, err)  # fmt: skip
+        remote_lock.give_up(self.plan.config.train.remote_dir)  # the run is done with the folder
 
     def _temperature(self) -> dict[str, Any]:
         return {"temperature": self.temperature.state_dict()}

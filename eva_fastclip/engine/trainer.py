@@ -158,7 +158,8 @@ class Trainer:
             try:
                 return self._train()
             finally:  # a stop too: the copies to train.remote_dir go up before the process does
-                self.checkpointer.finish_copies()
+                with self.watchdog.phase("save"):  # a save's allowance: gigabytes may be in flight
+                    self.checkpointer.finish_copies()
 
     def _train(self) -> dict[str, float]:
         cfg = self.cfg.train
