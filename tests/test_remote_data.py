@@ -146,3 +146,14 @@ def test_http_shards_read_by_range(local, tokenize, tmp_path):
 
 def test_the_bucket_is_where_the_test_put_it(s3, remote):
     assert remote == f"s3://{BUCKET}/toy"
+
+
+def test_a_shard_gone_since_the_listing_stops_the_read(remote, caplog):
+    """No wait makes a missing object come back (nor a denied one): not retried, and not counted as a
+    shard's lost samples either, since every shard after it would meet the same: the run stops."""
+    with (
+        caplog.at_level(logging.WARNING, logger="eva_fastclip.data.remote"),
+        pytest.raises(ShardUnreachable, match=r"shard-000009.tar: its size: FileNotFoundError.*not retried"),
+    ):
+        RemoteShard(f"{remote}/shard-000009.tar", FAST)
+    assert "retry" not in caplog.text

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from eva_fastclip.checkpointing import checkpoint, resume_config
 from eva_fastclip.checkpointing.remote_copy import RemoteCopy
 from eva_fastclip.optim.param_groups import TEMPERATURE_GROUP
@@ -84,16 +86,19 @@ class Checkpointer:
             self.remote.checkpoint_saved(folder)
         return folder
 
-    def finish_copies(self) -> None:
-        """At the run's end or stop: wait for the copies to train.remote_dir, the logs included."""
-        if self.remote is None:
-            return
-        try:
-            self.remote.finish()
-        except Exception as err:  # noqa: BLE001 (the run's own outcome stands; the copies are named)
-            log.error("%s: the last copies did not go up (%s): the checkpoints copied before are whole",
-                      self.remote.remote_dir, err)  # fmt: skip
-        remote_lock.give_up(self.plan.config.train.remote_dir)  # the run is done with the folder
+    def finish_copies(self, together: bool) -> None:
+        """At the run's end or stop: wait for rank 0's copies to train.remote_dir, the logs included.
+        ``together`` (every rank ended so): every rank waits for them, since the first rank to exit has
+        DeepSpeed's launcher end the others 30 s later; not where a rank failed alone."""
+        if self.remote is not None:
+            try:
+                self.remote.finish()
+            except Exception as err:  # noqa: BLE001 (the run's own outcome stands; the copies are named)
+                log.error("%s: the last copies did not go up (%s): the checkpoints copied before are whole",
+                          self.remote.remote_dir, err)  # fmt: skip
+            remote_lock.give_up(self.plan.config.train.remote_dir)  # the run is done with the folder
+        if together and self.plan.config.train.remote_dir and self.rank.world_size > 1:
+            dist.barrier()
 
     def _temperature(self) -> dict[str, Any]:
         return {"temperature": self.temperature.state_dict()}

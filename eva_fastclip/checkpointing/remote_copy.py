@@ -18,7 +18,10 @@ remote shards.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import os
 import shutil
 import threading
 import time
@@ -26,13 +29,14 @@ from pathlib import Path
 
 from eva_fastclip.data.remote import Retries, url_fs
 
-from .checkpoint import MARKER, complete_checkpoints, is_complete
+from .checkpoint import MARKER, complete_checkpoints, is_complete, read_marker
 
 log = logging.getLogger(__name__)
 
 #: the run's logs copied after each checkpoint, from train.output_dir (a folder: all of it)
 LOGS = ("config.json", "train_log.jsonl", "eval_results.jsonl", "final_metrics.json", "tensorboard")
 _DOWNLOADING = ".download"
+STAGING = ".remote_copy"  # in train.output_dir: hard links of the checkpoints waiting to be copied
 
 
 class RemoteCopy:
@@ -42,7 +46,11 @@ class RemoteCopy:
         self.output_dir, self.remote_dir, self.keep = Path(output_dir), remote_dir.rstrip("/"), keep
         self.retries = retries or Retries()
         self.fs, self.root = url_fs(self.remote_dir)
+        # hard links of the checkpoints to copy: the local prune (train.keep_checkpoints) cannot take
+        # one from under a copy in flight
+        self.staging = self.output_dir / STAGING
         self._waiting: Path | None = None  # the newest checkpoint saved and not yet being copied
+        self._failed: Path | None = None  # the newest whose copy failed: copied again by finish()
         self._busy = False
         self._done = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -50,22 +58,28 @@ class RemoteCopy:
 
     def checkpoint_saved(self, folder: Path) -> None:
         """Copy ``folder`` (complete) once the copy in flight is done; an older one waiting is dropped."""
+        snapshot = _linked(folder, self.staging / folder.name)
         with self._done:
-            self._waiting = folder
-            if self._thread is None or not self._thread.is_alive():
+            dropped, self._waiting = self._waiting, snapshot
+            if self._thread is None:
                 self._thread = threading.Thread(target=self._copy_waiting, name="remote-copy", daemon=True)
                 self._thread.start()
+        if dropped is not None and dropped != snapshot:
+            shutil.rmtree(dropped, ignore_errors=True)
 
     def finish(self) -> None:
-        """Wait for the copies in flight and waiting, then copy the logs as they are now."""
+        """Wait for the copies in flight and waiting, copy again one that failed, then the logs as they
+        are now. Raises where the newest checkpoint still does not go up."""
         started = time.monotonic()
         with self._done:
             while self._busy or self._waiting is not None:
                 self._done.wait(1.0)
+        if self._failed is not None:
+            self._copy_checkpoint(self._failed)  # the last chance: its error reaches the caller
+            self._forget_failed()
         self._copy_logs()
-        log.info(
-            "%s: checkpoints and logs copied (%.1f s waited)", self.remote_dir, time.monotonic() - started
-        )
+        waited = time.monotonic() - started
+        log.info("%s: checkpoints and logs copied (%.1f s waited)", self.remote_dir, waited)
 
     def _copy_waiting(self) -> None:
         while True:
@@ -73,22 +87,35 @@ class RemoteCopy:
                 folder, self._waiting = self._waiting, None
                 self._busy = folder is not None
                 if folder is None:
+                    self._thread = None  # (under the lock: the next save starts a thread of its own)
                     self._done.notify_all()
                     return
             try:
                 self._copy_checkpoint(folder)
+                self._forget_failed()
+                shutil.rmtree(folder, ignore_errors=True)
                 self._copy_logs()
                 self._prune()
-            except Exception as err:  # noqa: BLE001 (a failed copy must not end the run: the next save tries)
-                log.warning("%s: copying %s failed (%s); the next save copies again", self.remote_dir,
-                            folder.name, err)  # fmt: skip
+            except Exception as err:  # noqa: BLE001 (a failed copy must not end the run: copied again later)
+                log.warning("%s: copying %s failed (%s); the next save, or the run's end, copies again",
+                            self.remote_dir, folder.name, err)  # fmt: skip
+                if self._failed != folder:
+                    self._forget_failed()
+                self._failed = folder
             finally:
                 with self._done:
                     self._busy = False
                     self._done.notify_all()
 
+    def _forget_failed(self) -> None:
+        if self._failed is not None:
+            shutil.rmtree(self._failed, ignore_errors=True)
+            self._failed = None
+
     def _copy_checkpoint(self, folder: Path) -> None:
         target = f"{self.root}/checkpoints/{folder.name}"
+        with contextlib.suppress(FileNotFoundError):  # an earlier copy of this step: not complete from now
+            self.fs.rm_file(f"{target}/{MARKER}")
         files = sorted(path for path in folder.rglob("*") if path.is_file() and path.name != MARKER)
         started = time.monotonic()
         for path in [*files, folder / MARKER]:  # the marker last: a copy cut short is never complete
@@ -96,9 +123,8 @@ class RemoteCopy:
             self.retries.call(f"{self.remote_dir}: {remote}", self.fs.put_file, str(path), remote)
         self.copied.append(folder.name)
         size = sum(path.stat().st_size for path in files) / 2**20
-        log.info(
-            "copied %s to %s (%.0f MiB in %.1f s)", folder.name, target, size, time.monotonic() - started
-        )
+        took = time.monotonic() - started
+        log.info("copied %s to %s (%.0f MiB in %.1f s)", folder.name, target, size, took)
 
     def _copy_logs(self) -> None:
         for name in LOGS:
@@ -110,24 +136,59 @@ class RemoteCopy:
                     self.retries.call(f"{self.remote_dir}: {remote}", self.fs.put_file, str(path), remote)
 
     def _prune(self) -> None:
-        """Delete the remote checkpoints beyond the newest ``keep`` complete ones, each marker first."""
-        for tag in remote_checkpoints(self.fs, self.root)[: -self.keep]:
+        """Delete the remote checkpoints beyond the newest ``keep`` complete ones, each marker first, and
+        the copies cut short (no marker: a dead run's, or this one's before a failure)."""
+        complete = remote_checkpoints(self.fs, self.root)
+        old = complete[: -self.keep]
+        for tag in _remote_tags(self.fs, self.root):
             folder = f"{self.root}/checkpoints/{tag}"
-            self.fs.rm_file(f"{folder}/{MARKER}")
-            self.fs.rm(folder, recursive=True)
+            if tag in old:
+                self.fs.rm_file(f"{folder}/{MARKER}")
+            if tag in old or tag not in complete:
+                self.fs.rm(folder, recursive=True)
+
+
+def _linked(folder: Path, snapshot: Path) -> Path:
+    """``folder``'s files at ``snapshot`` as hard links (copies where links cannot be made)."""
+    if snapshot.exists():
+        shutil.rmtree(snapshot)
+    for path in folder.rglob("*"):
+        if path.is_file():
+            target = snapshot / path.relative_to(folder)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(path, target)
+            except OSError:
+                shutil.copy2(path, target)
+    return snapshot
+
+
+def _remote_tags(fs, root: str) -> list[str]:
+    try:
+        fs.invalidate_cache(f"{root}/checkpoints")
+        entries = fs.ls(f"{root}/checkpoints", False)
+    except FileNotFoundError:
+        return []
+    return [
+        tag for tag in (str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries) if tag.startswith("step_")
+    ]
 
 
 def remote_checkpoints(fs, root: str) -> list[str]:
-    """The tags of the complete checkpoints under ``root/checkpoints``, oldest first."""
-    try:
-        fs.invalidate_cache(f"{root}/checkpoints")
-        folders = [str(entry).rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(f"{root}/checkpoints", False)]
-    except FileNotFoundError:
-        return []
-    complete = [
-        tag for tag in folders if tag.startswith("step_") and fs.exists(f"{root}/checkpoints/{tag}/{MARKER}")
-    ]
-    return sorted(complete)
+    """The tags of the complete checkpoints under ``root/checkpoints``, oldest first: in the order their
+    saves completed (their markers' ``sequence``, as locally: a rerun from an older step comes after)."""
+    found = []
+    for tag in _remote_tags(fs, root):
+        try:
+            found.append((_remote_sequence(fs, root, tag), tag))
+        except FileNotFoundError:
+            continue
+    return [tag for _, tag in sorted(found)]
+
+
+def _remote_sequence(fs, root: str, tag: str) -> int:
+    marker = json.loads(fs.cat_file(f"{root}/checkpoints/{tag}/{MARKER}"))
+    return marker.get("sequence", 0) if isinstance(marker, dict) else 0
 
 
 def bring_down_latest(remote_dir: str, checkpoints: Path, retries: Retries | None = None) -> Path | None:
@@ -137,8 +198,10 @@ def bring_down_latest(remote_dir: str, checkpoints: Path, retries: Retries | Non
     fs, root = url_fs(remote_dir.rstrip("/"))
     tags = remote_checkpoints(fs, root)
     local = complete_checkpoints(checkpoints)
-    if not tags or (local and local[-1].name >= tags[-1]):
-        return None
+    if not tags or (
+        local and read_marker(local[-1]).get("sequence", 0) >= _remote_sequence(fs, root, tags[-1])
+    ):
+        return None  # the output folder's newest is as new
     tag, started = tags[-1], time.monotonic()
     source, target = f"{root}/checkpoints/{tag}", checkpoints / (tag + _DOWNLOADING)
     files = [str(path) for path in fs.find(source)]

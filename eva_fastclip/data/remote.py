@@ -32,15 +32,16 @@ def is_remote(url: str) -> bool:
     return "://" in url and not url.startswith("file://")
 
 
-def url_fs(url: str) -> tuple[Any, str]:
-    """The fsspec file system that reads ``url``, and the path it knows it by. s3fs and botocore are told
-    not to retry themselves: :class:`Retries` does, with a line for each (theirs are silent), and the
-    user's own settings (``FSSPEC_S3``: timeouts, endpoint) are kept."""
+def url_fs(url: str, retried_here: bool = False) -> tuple[Any, str]:
+    """The fsspec file system that reads ``url``, and the path it knows it by. ``retried_here`` (a
+    shard's reads): s3fs and botocore are told not to retry themselves, in an instance of its own, since
+    :class:`Retries` does, with a line for each (theirs are silent); the user's own settings
+    (``FSSPEC_S3``: timeouts, endpoint) are kept. Everything else keeps the libraries' retries."""
     import fsspec
 
     protocol = url.split("://", 1)[0]
     options: dict[str, Any] = {}
-    if protocol in ("s3", "s3a"):
+    if retried_here and protocol in ("s3", "s3a"):
         configured = fsspec.config.conf.get("s3", {})
         config_kwargs = {**configured.get("config_kwargs", {}), "retries": {"max_attempts": 1}}
         options = {"config_kwargs": config_kwargs}
@@ -102,8 +103,8 @@ class RemoteShard(io.RawIOBase):
 
     def __init__(self, url: str, retries: Retries, chunk_bytes: int = CHUNK_BYTES) -> None:
         self.url, self.retries, self.chunk_bytes = url, retries, chunk_bytes
-        self.fs, self.path = url_fs(url)
-        self.size = int(retries.call(f"{url}: its size", self._info)["size"])
+        self.fs, self.path = url_fs(url, retried_here=True)
+        self.size = int(self._call(f"{url}: its size", self._info)["size"])
         self.position = 0  # the first byte not yet handed to the reader
         self._chunk, self._used = b"", 0
 
@@ -118,12 +119,23 @@ class RemoteShard(io.RawIOBase):
         if self._used == len(self._chunk):
             if self.position >= self.size:
                 return 0
-            self._chunk, self._used = self.retries.call(f"{self.url} at byte {self.position}", self._fetch), 0
+            self._chunk, self._used = self._call(f"{self.url} at byte {self.position}", self._fetch), 0
         got = min(len(buffer), len(self._chunk) - self._used)
         buffer[:got] = self._chunk[self._used : self._used + got]
         self._used += got
         self.position += got
         return got
+
+    def _call(self, what: str, request):
+        """``request()`` with its retries; what is not retried (no access, no credentials, a shard gone
+        since the run listed it) stops the run too: a shard's samples are not to be counted as lost for
+        a cause that every shard after it would meet."""
+        try:
+            return self.retries.call(what, request)
+        except ShardUnreachable:
+            raise
+        except Exception as err:  # noqa: BLE001 (every client's own errors)
+            raise ShardUnreachable(f"{what}: {type(err).__name__}: {err} (not retried)") from err
 
     def _fetch(self) -> bytes:
         end = min(self.position + self.chunk_bytes, self.size)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+import signal
 import subprocess
 from collections.abc import Iterator
 from typing import BinaryIO
@@ -43,7 +45,10 @@ class CommandOutput(io.RawIOBase):
 
     def __init__(self, command: str) -> None:
         self.command = command
-        self.proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        # a session of its own: a pipeline's every process is ended with it (terminate() reaches the shell)
+        self.proc = subprocess.Popen(
+            command, shell=True, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True
+        )
 
     def readable(self) -> bool:
         return True
@@ -52,21 +57,33 @@ class CommandOutput(io.RawIOBase):
 
     def readinto(self, buffer) -> int:
         got = self.proc.stdout.readinto(buffer)
-        if not got and len(buffer) and self.proc.wait() != 0:  # the end of its output: did it succeed?
+        if not got and len(buffer) and self._status() != 0:  # the end of its output: did it succeed?
             # an end of data to the reader (raised here, the bytes of this read would be dropped by the
             # buffered reader); the tar reader asks command_failure() why its data ended
             self.failure = CommandFailed(self.command, self.proc.returncode)
         return got
 
+    def _status(self) -> int:
+        """The exit status, once its output ended (a command that lingers after it: ended, a failure)."""
+        try:
+            return self.proc.wait(_END_WAIT_S)
+        except subprocess.TimeoutExpired:
+            self._end(signal.SIGKILL)
+            return self.proc.wait()
+
+    def _end(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+
     def close(self) -> None:
         if self.closed:
             return
         if self.proc.poll() is None:  # closed before its end: ended by us, its status is not a failure
-            self.proc.terminate()
+            self._end(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(_END_WAIT_S)
             if self.proc.poll() is None:
-                self.proc.kill()
+                self._end(signal.SIGKILL)
                 self.proc.wait()
         self.proc.stdout.close()
         super().close()

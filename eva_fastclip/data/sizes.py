@@ -31,6 +31,7 @@ files, minutes on shared storage). A run reads them once, on rank 0, and hands t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Sequence
@@ -206,11 +207,12 @@ class _Folder:
         return sorted(name for name in self.names if name.endswith(".tar"))
 
     def parquet(self, name: str) -> Any:
-        """What pyarrow opens for the parquet ``name`` (a path, or a remote file)."""
+        """What pyarrow opens for the parquet ``name``, as a context: a path, or a remote file (whole
+        ranges read as pyarrow asks, no read-ahead), closed after."""
         if not self.remote:
-            return self.where(name)
+            return contextlib.nullcontext(self.where(name))
         fs, path = url_fs(self.where(name))
-        return fs.open(path, "rb")
+        return fs.open(path, "rb", cache_type="none")
 
 
 #: records to read beyond which the progress bar shows at once (else after 2 s)
@@ -304,7 +306,8 @@ class _Records:
             parquet = _companion(name, ".parquet")
             if parquet not in folder.names:
                 raise _NoRecord(f"no record bounds the indices of {url}")
-            bound = max(bound, _parquet_bound(folder.parquet(parquet), folder.where(parquet), self.index_key))
+            with folder.parquet(parquet) as source:
+                bound = max(bound, _parquet_bound(source, folder.where(parquet), self.index_key))
             origins.add(FROM_PARQUET)
         return bound, " + ".join(sorted(origins))
 

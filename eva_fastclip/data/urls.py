@@ -6,6 +6,8 @@ folder (not one request per shard), so a missing one stops the run before step 1
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import glob
 import logging
 import os
@@ -108,7 +110,14 @@ def _remote_folder(folder: str) -> list[str]:
 
 
 def _require_remote(urls: list[str], origin: str) -> None:
-    """Every URL names an existing object: one listing of each folder they lie in."""
+    """Every URL names an existing object: one listing of each folder they lie in (HTTP has no listing
+    every server gives, nor names without a query: a request each)."""
+    if urls and urls[0].split("://", 1)[0] in ("http", "https"):
+        fs, _ = url_fs(urls[0])
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            found = list(pool.map(functools.partial(_exists, fs), urls))
+        _raise_missing([url for url, there in zip(urls, found) if not there], urls, origin)
+        return
     by_folder: dict[str, list[str]] = {}
     for url in urls:
         by_folder.setdefault(url.rsplit("/", 1)[0], []).append(url)
@@ -119,6 +128,19 @@ def _require_remote(urls: list[str], origin: str) -> None:
         except FileNotFoundError:
             names = set()
         missing += [url for url in inside if url.rsplit("/", 1)[1] not in names]
+    _raise_missing(missing, urls, origin)
+
+
+def _exists(fs, url: str) -> bool:
+    """Whether the server has ``url`` (a 404), its failures retried (data/remote.py)."""
+    try:
+        Retries().call(url, fs.info, url)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _raise_missing(missing: list[str], urls: list[str], origin: str) -> None:
     if missing:
         raise FileNotFoundError(
             f"{origin}: {len(missing)} of {len(urls)} shards do not exist (first: {missing[0]})"

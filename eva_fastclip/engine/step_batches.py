@@ -10,8 +10,9 @@ verdict stops every rank there: they save and the run exits naming the shard (en
 first step of each epoch is fetched before its first forward, and the ranks agree on it then
 (``agree_at_start``: one all-reduce an epoch).
 
-The loader's position saved with a checkpoint is the one before the fetch ahead (:meth:`loader_state`):
-a resumed run reads that step again, exactly.
+The loader's position saved with a checkpoint is the one after the last micro-batch handed to the loop
+(:meth:`loader_state`: each batch fetched is held with the position after it), not after those fetched
+ahead: a resumed run reads them again, exactly.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ class StepBatches:
         as waiting for its loader)."""
         self.loader, self.accumulation, self.fetching = loader, accumulation, fetching
         self.failure: str | None = None  # why this rank's loader cannot go on (one line)
-        self._ahead: deque = deque()
+        self._ahead: deque = deque()  # (batch, the loader's position after it)
         self._batches: Iterator | None = None
-        self._position: dict[str, Any] | None = None
+        self._handed: dict[str, Any] | None = None  # the position after the last batch handed out
 
     def epoch(self, batches: Iterable, agree_at_start: Callable[[bool], None]) -> Iterator:
         """The epoch's micro-batches: its first step's fetched here and ``agree_at_start`` told whether
@@ -53,18 +54,21 @@ class StepBatches:
         self.fetch_step()
         agree_at_start(self.failure is not None)
         while self._ahead:
-            yield self._ahead.popleft()
+            batch, self._handed = self._ahead.popleft()
+            yield batch
 
     def fetch_step(self) -> None:
-        """The next optimizer step's micro-batches, fetched now (fewer at the epoch's end). The loader's
-        position is kept first: it is where the steps trained so far end."""
+        """The next optimizer step's micro-batches, fetched now (fewer at the epoch's end), each with the
+        loader's position after it."""
         if self._batches is None:
             return
-        self._position = self.loader.state_dict() if hasattr(self.loader, "state_dict") else None
         with self.fetching():
             for _ in range(self.accumulation):
                 try:
-                    self._ahead.append(next(self._batches))
+                    batch = next(self._batches)
+                    self._ahead.append(
+                        (batch, self.loader.state_dict() if hasattr(self.loader, "state_dict") else None)
+                    )
                 except StopIteration:
                     self._batches = None
                     return
@@ -81,10 +85,9 @@ class StepBatches:
         return "; ".join(f"rank {rank}: {why}" for rank, why in enumerate(reasons) if why)
 
     def loader_state(self) -> dict[str, Any] | None:
-        """The loader's position after the micro-batches trained so far (not those fetched ahead: with
-        some held, the position kept before they were fetched)."""
-        if self._ahead:
-            return self._position
+        """The loader's position after the micro-batches handed to the loop (not those fetched ahead)."""
+        if self._handed is not None:
+            return self._handed
         return self.loader.state_dict() if hasattr(self.loader, "state_dict") else None
 
 

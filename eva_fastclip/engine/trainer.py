@@ -53,7 +53,7 @@ from eva_fastclip.optim.temperature import TemperatureController
 from eva_fastclip.plan import preflight
 from eva_fastclip.plan.deepspeed_json import autocast_dtype
 from eva_fastclip.plan.run_plan import RunPlan
-from eva_fastclip.reliability.bad_steps import BadSteps, agree
+from eva_fastclip.reliability.bad_steps import BadSteps, NonFiniteSteps, agree
 from eva_fastclip.reliability.data_wait import DataWait, cores_per_rank, slowest_rank
 from eva_fastclip.reliability.preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption
 from eva_fastclip.reliability.process import Rank
@@ -155,11 +155,16 @@ class Trainer:
         """Train to the end; a stop asked for (a signal, the launcher's end) saves and raises Preempted."""
         self.checkpointer.saved_at = time.monotonic()  # train.save_every_minutes counts from here
         with Preemption(self.cfg.train.preempt_signal) as self.preemption:
+            together = False  # every rank ended so: all wait for rank 0's copies (a failure: none)
             try:
-                return self._train()
-            finally:  # a stop too: the copies to train.remote_dir go up before the process does
+                results, together = self._train(), True
+                return results
+            except (Preempted, DataUnavailable, NonFiniteSteps):
+                together = True
+                raise
+            finally:  # the copies to train.remote_dir up before the process goes
                 with self.watchdog.phase("save"):  # a save's allowance: gigabytes may be in flight
-                    self.checkpointer.finish_copies()
+                    self.checkpointer.finish_copies(together)
 
     def _train(self) -> dict[str, float]:
         cfg = self.cfg.train
@@ -407,8 +412,7 @@ class Trainer:
             self.preemption.mark()  # the next step's time leaves the save out
         return folder
 
-    def _fetching(self):
-        """The watchdog's phase while the rank waits for its loader."""
+    def _fetching(self):  # the watchdog's phase while the rank waits for its loader
         self.watchdog.step = self.step
         return self.watchdog.phase("loader")
 

@@ -44,6 +44,7 @@ class RemoteLock:
         self.path = f"{root}/{LOCK_FILE}"
         self.record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "beat": 0}
         self._stop = threading.Event()
+        self._writing = threading.Lock()  # a beat in flight finishes before release removes the lock
 
     def acquire(self) -> None:
         """Take the folder (a dead run's lock taken over, logged); FolderHeld where a live run holds it."""
@@ -61,12 +62,13 @@ class RemoteLock:
             return
         self._stop.set()
         _held.pop(self.remote_dir, None)
-        try:
-            current = self._read()
-            if current is not None and _identity(current) == _identity(self.record):
-                self.fs.rm_file(self.path)
-        except Exception as err:  # noqa: BLE001 (a lock left behind is taken over after a watch)
-            log.warning("%s: the run lock could not be removed (%s)", self.path, err)
+        with self._writing:
+            try:
+                current = self._read()
+                if current is not None and _identity(current) == _identity(self.record):
+                    self.fs.rm_file(self.path)
+            except Exception as err:  # noqa: BLE001 (a lock left behind is taken over after a watch)
+                log.warning("%s: the run lock could not be removed (%s)", self.path, err)
 
     def _watch(self, found: dict) -> None:
         deadline = time.monotonic() + WATCH_S
@@ -89,11 +91,14 @@ class RemoteLock:
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
-            self.record["beat"] += 1
-            try:
-                self._write()
-            except Exception as err:  # noqa: BLE001 (a missed beat: the next one may go through)
-                log.warning("%s: a heartbeat of the run lock failed (%s)", self.path, err)
+            with self._writing:
+                if self._stop.is_set():  # released meanwhile: no beat may bring the lock back
+                    return
+                self.record["beat"] += 1
+                try:
+                    self._write()
+                except Exception as err:  # noqa: BLE001 (a missed beat: the next one may go through)
+                    log.warning("%s: a heartbeat of the run lock failed (%s)", self.path, err)
 
     def _read(self) -> dict | None:
         try:
