@@ -80,12 +80,17 @@ def epoch(sources, tokenize, workers: int) -> list[tuple[list[int], torch.Tensor
     return [(check_batch(batch, tokenize, 4), batch[0]) for batch in loader]
 
 
+@pytest.fixture(scope="module")
+def local_epoch(local, tokenize):
+    return epoch([str(local)], tokenize, workers=2)
+
+
 @pytest.mark.parametrize("fault", ["none", "cut", "error", "stall"])
-def test_an_epoch_from_s3_is_the_local_epoch(remote, local, tokenize, s3, fault, caplog):
+def test_an_epoch_from_s3_is_the_local_epoch(remote, local_epoch, tokenize, s3, fault):
     """The same batches, images bit for bit, with 2 loader workers; with the server cutting each shard's
     first transfer halfway, or answering it with a 500, or stalling it 1 s (a hiccup, under the read
     timeout), nothing is lost or repeated."""
-    expected = epoch([str(local)], tokenize, workers=2)
+    expected = local_epoch
     if fault == "cut":
         s3.faults.cut = 0.5
     elif fault == "error":
