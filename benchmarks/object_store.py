@@ -179,14 +179,24 @@ class RangeHandler(http.server.SimpleHTTPRequestHandler):
             return _Slice(stream.read(end - start + 1))
 
     def do_GET(self):
-        name = self.path.rsplit("/", 1)[-1]
-        faults = self.faults
-        faulted = name in faults.unreachable or (faults.error and faults.first_get(self.path))
-        if self.path.endswith(faults.suffix) and faulted:
-            faults.served["error"] += 1
+        if not self._faulted("GET"):
+            super().do_GET()
+
+    def do_HEAD(self):
+        if not self._faulted("HEAD"):
+            super().do_HEAD()
+
+    def _faulted(self, method: str) -> bool:
+        """A 500 in place of the first response of each method for each shard (or every one, for one
+        unreachable)."""
+        name, faults = self.path.rsplit("/", 1)[-1], self.faults
+        if not self.path.endswith(faults.suffix):
+            return False
+        if name in faults.unreachable or (faults.error and faults.first_get(f"{method} {self.path}")):
+            faults.served["error" if method == "GET" else "head_error"] += 1
             self.send_error(500)
-            return
-        super().do_GET()
+            return True
+        return False
 
     def log_message(self, *args):
         pass

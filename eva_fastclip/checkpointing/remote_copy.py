@@ -49,6 +49,7 @@ class RemoteCopy:
         # hard links of the checkpoints to copy: the local prune (train.keep_checkpoints) cannot take
         # one from under a copy in flight
         self.staging = self.output_dir / STAGING
+        shutil.rmtree(self.staging, ignore_errors=True)  # an earlier process's, killed mid-copy
         self._waiting: Path | None = None  # the newest checkpoint saved and not yet being copied
         self._failed: Path | None = None  # the newest whose copy failed: copied again by finish()
         self._busy = False
@@ -58,7 +59,12 @@ class RemoteCopy:
 
     def checkpoint_saved(self, folder: Path) -> None:
         """Copy ``folder`` (complete) once the copy in flight is done; an older one waiting is dropped."""
-        snapshot = _linked(folder, self.staging / folder.name)
+        try:
+            snapshot = _linked(folder, self.staging / folder.name)
+        except OSError as err:  # (rank 0 alone: this save is not copied, the run goes on)
+            log.error("%s: no snapshot of %s to copy (%s); the next save is copied", self.remote_dir,
+                      folder.name, err)  # fmt: skip
+            return
         with self._done:
             dropped, self._waiting = self._waiting, snapshot
             if self._thread is None:
@@ -74,10 +80,13 @@ class RemoteCopy:
         with self._done:
             while self._busy or self._waiting is not None:
                 self._done.wait(1.0)
-        if self._failed is not None:
-            self._copy_checkpoint(self._failed)  # the last chance: its error reaches the caller
-            self._forget_failed()
-        self._copy_logs()
+        try:
+            if self._failed is not None and self._failed.is_dir():
+                self._copy_checkpoint(self._failed)  # the last chance: its error reaches the caller
+            self._copy_logs()
+        finally:
+            self._failed = None
+            shutil.rmtree(self.staging, ignore_errors=True)
         waited = time.monotonic() - started
         log.info("%s: checkpoints and logs copied (%.1f s waited)", self.remote_dir, waited)
 
@@ -92,20 +101,28 @@ class RemoteCopy:
                     return
             try:
                 self._copy_checkpoint(folder)
-                self._forget_failed()
-                shutil.rmtree(folder, ignore_errors=True)
-                self._copy_logs()
-                self._prune()
             except Exception as err:  # noqa: BLE001 (a failed copy must not end the run: copied again later)
                 log.warning("%s: copying %s failed (%s); the next save, or the run's end, copies again",
                             self.remote_dir, folder.name, err)  # fmt: skip
                 if self._failed != folder:
                     self._forget_failed()
                 self._failed = folder
+            else:
+                self._forget_failed()
+                shutil.rmtree(folder, ignore_errors=True)
+                self._after_copy()
             finally:
                 with self._done:
                     self._busy = False
                     self._done.notify_all()
+
+    def _after_copy(self) -> None:
+        """The logs and the prune, after a checkpoint went up whole (a failure: named, tried next time)."""
+        try:
+            self._copy_logs()
+            self._prune()
+        except Exception as err:  # noqa: BLE001
+            log.warning("%s: copying the logs or pruning failed (%s)", self.remote_dir, err)
 
     def _forget_failed(self) -> None:
         if self._failed is not None:
@@ -114,8 +131,10 @@ class RemoteCopy:
 
     def _copy_checkpoint(self, folder: Path) -> None:
         target = f"{self.root}/checkpoints/{folder.name}"
-        with contextlib.suppress(FileNotFoundError):  # an earlier copy of this step: not complete from now
+        with contextlib.suppress(FileNotFoundError):  # an earlier copy of this step: its marker first
             self.fs.rm_file(f"{target}/{MARKER}")
+        with contextlib.suppress(FileNotFoundError):  # then its files, some of which the new save may lack
+            self.fs.rm(target, recursive=True)
         files = sorted(path for path in folder.rglob("*") if path.is_file() and path.name != MARKER)
         started = time.monotonic()
         for path in [*files, folder / MARKER]:  # the marker last: a copy cut short is never complete

@@ -71,6 +71,18 @@ _NOT_RETRIED = (FileNotFoundError, PermissionError, IsADirectoryError, NotImplem
 _NOT_RETRIED_NAMES = {"NoCredentialsError", "PartialCredentialsError", "InvalidBucketName"}
 
 
+def _transient(err: Exception) -> bool:
+    """fsspec's HTTP client reports any failure of its size request (a timeout, a 5xx, a reset) as
+    FileNotFoundError: only one caused by a 404 (or by nothing) is an object that is not there."""
+    cause = err.__cause__
+    return (
+        isinstance(err, FileNotFoundError)
+        and cause is not None
+        and type(cause).__module__.startswith("aiohttp")
+        and getattr(cause, "status", None) != 404
+    )
+
+
 @dataclass(frozen=True)
 class Retries:
     """How a failed request is made again: ``tries`` more times, the first after ``wait_s``, each next
@@ -85,7 +97,8 @@ class Retries:
             try:
                 return request(*args)
             except Exception as err:  # noqa: BLE001 (every transport's own errors: retried alike)
-                if isinstance(err, _NOT_RETRIED) or type(err).__name__ in _NOT_RETRIED_NAMES:
+                final = isinstance(err, _NOT_RETRIED) and not _transient(err)
+                if final or type(err).__name__ in _NOT_RETRIED_NAMES:
                     raise  # no wait makes it right: no such object, no access, no credentials
                 if attempt == self.tries:
                     raise ShardUnreachable(
