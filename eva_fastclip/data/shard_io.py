@@ -27,6 +27,8 @@ from .remote import RemoteShard, Retries, is_remote
 PIPE_PREFIX = "pipe:"
 #: how long a command told to end may take before it is killed
 _END_WAIT_S = 5.0
+#: how long a command may go on after its output ended (a slow exit: gsutil's) before it is a failure
+_STATUS_WAIT_S = 60.0
 
 
 class CommandFailed(OSError):
@@ -66,7 +68,7 @@ class CommandOutput(io.RawIOBase):
     def _status(self) -> int:
         """The exit status, once its output ended (a command that lingers after it: ended, a failure)."""
         try:
-            return self.proc.wait(_END_WAIT_S)
+            return self.proc.wait(_STATUS_WAIT_S)
         except subprocess.TimeoutExpired:
             self._end(signal.SIGKILL)
             return self.proc.wait()
