@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from eva_fastclip.data.remote import Retries, url_fs
+from eva_fastclip.data.remote import Retries, names_in, url_fs
 
 from .checkpoint import MARKER, complete_checkpoints, is_complete, read_marker
 
@@ -184,13 +184,10 @@ def _linked(folder: Path, snapshot: Path) -> Path:
 
 def _remote_tags(fs, root: str) -> list[str]:
     try:
-        fs.invalidate_cache(f"{root}/checkpoints")
-        entries = fs.ls(f"{root}/checkpoints", False)
+        names = names_in(fs, f"{root}/checkpoints", Retries(), fresh=True)
     except FileNotFoundError:
         return []
-    return [
-        tag for tag in (str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries) if tag.startswith("step_")
-    ]
+    return [tag for tag in names if tag.startswith("step_")]
 
 
 def remote_checkpoints(fs, root: str) -> list[str]:

@@ -164,9 +164,17 @@ def read_bytes(url: str, retries: Retries) -> bytes:
     return retries.call(url, fs.cat_file, path)
 
 
-def list_names(folder_url: str, retries: Retries) -> set[str]:
-    """The names of the files in a remote folder (one listing); FileNotFoundError if there is none."""
+def list_names(folder_url: str, retries: Retries, fresh: bool = False) -> set[str]:
+    """The names of the files in a remote folder; FileNotFoundError if there is none. One listing a
+    process (fsspec keeps it: the run's checks, records and loader look at its shards' folders in turn),
+    or a new one where ``fresh`` (a folder this process writes to)."""
     fs, path = url_fs(folder_url)
-    fs.invalidate_cache(path)
-    entries = retries.call(f"{folder_url}: its listing", fs.ls, path, False)
+    return names_in(fs, path, retries, fresh)
+
+
+def names_in(fs, path: str, retries: Retries, fresh: bool = False) -> set[str]:
+    """:func:`list_names` of ``path`` on ``fs``."""
+    if fresh:
+        fs.invalidate_cache(path)
+    entries = retries.call(f"{path}: its listing", fs.ls, path, False)
     return {str(entry).rstrip("/").rsplit("/", 1)[-1] for entry in entries}

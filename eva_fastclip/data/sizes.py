@@ -152,7 +152,7 @@ def _parse_json(text: bytes, where: str) -> Any:
         raise ValueError(f"{where}: not valid JSON ({exc})") from exc
 
 
-class _Folder:
+class RecordFolder:
     """The records in one shard folder, local or remote (one listing of it), each read when first needed."""
 
     def __init__(self, folder: str) -> None:
@@ -227,14 +227,14 @@ def _progress(items: Sequence[Any], what: str) -> Any:
 class _Records:
     def __init__(self, index_key: str) -> None:
         self.index_key = index_key
-        self._folders: dict[str, _Folder] = {}
+        self._folders: dict[str, RecordFolder] = {}
         self._counts: dict[str, tuple[int, str] | None] = {}  # each shard's count, read once
 
-    def _folder(self, url: str) -> tuple[_Folder, str]:
+    def _folder(self, url: str) -> tuple[RecordFolder, str]:
         """The folder a shard lies in, and its name there."""
         folder, name = _split(url)
         if folder not in self._folders:
-            self._folders[folder] = _Folder(folder)
+            self._folders[folder] = RecordFolder(folder)
         return self._folders[folder], name
 
     def _shard_count(self, url: str) -> tuple[int, str] | None:

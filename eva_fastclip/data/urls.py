@@ -15,8 +15,9 @@ from collections.abc import Sequence
 
 import braceexpand
 
-from .remote import Retries, is_remote, list_names, read_bytes, url_fs
-from .shards import MANIFEST_NAME, parse_manifest, read_manifest
+from .remote import Retries, is_remote, list_names, url_fs
+from .shards import MANIFEST_NAME, read_manifest
+from .sizes import RecordFolder
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +71,7 @@ def _shards_in_folder(folder: str) -> list[str]:
 
 
 def _require_files(paths: list[str], origin: str) -> None:
-    missing = [path for path in paths if not os.path.isfile(path)]
-    if missing:
-        raise FileNotFoundError(
-            f"{origin}: {len(missing)} of {len(paths)} shards do not exist (first: {missing[0]})"
-        )
+    _raise_missing([path for path in paths if not os.path.isfile(path)], paths, origin)
 
 
 def _expand_remote(pattern: str) -> list[str]:
@@ -88,20 +85,16 @@ def _expand_remote(pattern: str) -> list[str]:
 
 
 def _remote_folder(folder: str) -> list[str]:
-    names = list_names(folder, Retries())
-    manifest = None
-    if MANIFEST_NAME in names:
-        where = f"{folder}/{MANIFEST_NAME}"
-        manifest = parse_manifest(read_bytes(where, Retries()), where)
-    if manifest is not None:
-        missing = [name for name in manifest["shards"] if name not in names]
-        if missing:
-            raise FileNotFoundError(
-                f"{folder}/{MANIFEST_NAME}: {len(missing)} of {len(manifest['shards'])} shards do not exist "
-                f"(first: {folder}/{missing[0]})"
-            )
-        return [f"{folder}/{name}" for name in manifest["shards"]]
-    urls = [f"{folder}/{name}" for name in sorted(names) if name.endswith(".tar")]
+    """The shards of a remote folder: those its manifest lists, else its *.tar (the listing and the
+    manifest read as the records are: data/sizes.py)."""
+    records = RecordFolder(folder)
+    if records.manifest is not None:
+        shards = records.manifest["shards"]
+        urls = [records.where(name) for name in shards]
+        missing = [records.where(name) for name in shards if name not in records.names]
+        _raise_missing(missing, urls, records.where(MANIFEST_NAME))
+        return urls
+    urls = [records.where(name) for name in records.tar_names]
     if not urls:
         raise FileNotFoundError(
             f"{folder}: no shards (neither a manifest.json listing shards nor *.tar files)"
