@@ -413,8 +413,7 @@ class Trainer:
         return folder
 
     def _fetching(self):  # the watchdog's phase while the rank waits for its loader
-        self.watchdog.step = self.step
-        return self.watchdog.phase("loader")
+        return self.watchdog.phase("loader", self.step)
 
     def _agree_on_data(self, failed: bool) -> None:
         """At an epoch's start, its first step fetched: stop every rank where one's loader failed."""

@@ -121,10 +121,11 @@ class Watchdog:
         self._state = (name, time.monotonic())
 
     @contextmanager
-    def phase(self, name: str):
-        """A phase inside another (an evaluation or a save between steps): the outer one resumes after."""
+    def phase(self, name: str, step: int | None = None):
+        """A phase inside another (an evaluation or a save between steps, the wait for a loader): the
+        outer one resumes after. ``step`` as for :meth:`set_phase`."""
         outer = self._state[0]
-        self.set_phase(name)
+        self.set_phase(name, step)
         try:
             yield
         finally:
