@@ -6,6 +6,7 @@ import json
 import math
 import warnings
 
+import pytest
 import torch
 from engine_state import full_state
 from lamb_reference import LAMB_JSON, kernel_step
@@ -117,7 +118,8 @@ def replay_in_float64(optimizer) -> list[float]:
     """Make every call of ``optimizer.step`` (DeepSpeed calls it once per parameter group under ZeRO, with
     the flat partitions and their fragments) also run in float64 from the same inputs, once by today's
     Lamb (lamb_reference.TodaysLamb: a tensor and a fragment at a time) and once each way of the
-    multi-tensor step (the CPU sweep and CUDA's multi-tensor ops); each call appends the largest
+    multi-tensor step (the CPU sweep, the CPU's compiled pass and fused kernel, with every fragment
+    compiled however small, and CUDA's multi-tensor ops); each call appends the largest
     difference between them to the returned list, relative to each tensor's norm (weights, moments)."""
     errors: list[float] = []
     step = optimizer.step
@@ -131,7 +133,7 @@ def replay_in_float64(optimizer) -> list[float]:
         ]
         copies = {p: (p.detach().double().clone(), p.grad.double().clone(), state) for p, _, state in inputs}
         out = step(*args, **kwargs)
-        runs = [_replay(optimizer, inputs, copies, kind) for kind in ("today", "sweep", "multi")]
+        runs = [_replay(optimizer, inputs, copies, kind) for kind in ("today", "sweep", "fused", "multi")]
         for other in runs[1:]:
             errors.append(max(relative_error(a, b) for a, b in zip(other, runs[0])))
         return out
@@ -144,6 +146,7 @@ def _replay(optimizer, inputs, copies, kind: str) -> list[torch.Tensor]:
     """One optimizer call again in float64 by ``kind``: its weights and moments afterwards."""
     from lamb_reference import TodaysLamb
 
+    from eva_fastclip.optim import lamb_fused_cpu
     from eva_fastclip.optim.lamb import Lamb
 
     params = {p: nn.Parameter(copies[p][0].clone()) for p, _, _ in inputs}
@@ -151,7 +154,7 @@ def _replay(optimizer, inputs, copies, kind: str) -> list[torch.Tensor]:
         params[p].grad = grad.clone()
     cls = TodaysLamb if kind == "today" else Lamb
     fresh = cls([{"params": [params[p]], **settings} for p, settings, _ in inputs], lr=0.01)
-    fresh.eps_inside_sqrt, fresh.multi_tensor_on_cpu = optimizer.eps_inside_sqrt, kind == "multi"
+    fresh.eps_inside_sqrt, fresh.cpu_walk = optimizer.eps_inside_sqrt, kind
     for p, _, state in inputs:
         if state:
             fresh.state[params[p]] = {
@@ -161,7 +164,9 @@ def _replay(optimizer, inputs, copies, kind: str) -> list[torch.Tensor]:
     if optimizer._fragments is not None:
         frags = [(params[p], optimizer._fragments[id(p)][1]) for p, _, _ in inputs]
         fresh.set_fragments(frags, optimizer._num_tensors, process_group=optimizer._reduce_over)
-    fresh.step()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lamb_fused_cpu, "EAGER_BELOW", 0)
+        fresh.step()
     return [
         t
         for p, _, _ in inputs

@@ -15,8 +15,25 @@ from torch import nn
 
 from eva_fastclip.config import ConfigError, OptimConfig, load_config
 from eva_fastclip.engine.setup import initialize_engine
+from eva_fastclip.optim import lamb_fused_cpu
 from eva_fastclip.optim.lamb import Fragment, Lamb, attach_zero_partitions
 from eva_fastclip.optim.optimizer import build_optimizer
+
+#: the CPU's ways of walking memory (Lamb.cpu_walk) that take the kernel's step
+WALKS = ("sweep", "fused", "multi")
+
+
+@pytest.fixture
+def walk_of(monkeypatch):
+    """Sets a Lamb's cpu_walk; the fused walk compiles every fragment, however small (in a run, fragments
+    under lamb_fused_cpu.EAGER_BELOW elements are measured eagerly)."""
+    monkeypatch.setattr(lamb_fused_cpu, "EAGER_BELOW", 0)
+
+    def set_walk(optimizer: Lamb, walk: str) -> Lamb:
+        optimizer.cpu_walk = walk
+        return optimizer
+
+    return set_walk
 
 
 def assert_matches(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -36,12 +53,15 @@ def _tensors():
     ]
 
 
+@pytest.mark.parametrize("walk", WALKS)
 @pytest.mark.parametrize(
     "options",
     [{}, {"bias_correction": False}, {"eps_inside_sqrt": True}, {"eps": 1e-2}],
     ids=["default", "no-bias-correction", "eps-inside-sqrt", "large-eps"],
 )
-def test_steps_match_the_kernel(options):
+def test_steps_match_the_kernel(options, walk, walk_of):
+    if walk == "fused" and options.get("eps_inside_sqrt"):
+        pytest.skip("the fused walk refuses eps_inside_sqrt: test_the_fused_walk_says_why_it_cannot_run")
     cases = _tensors()
     params = [nn.Parameter(value.clone()) for _, value, _ in cases]
     lr = 1e-2
@@ -51,6 +71,7 @@ def test_steps_match_the_kernel(options):
         betas=BETAS,
         **{"eps": EPS, **options},
     )
+    walk_of(optimizer, walk)
     kernel_options = {"eps": EPS, **options}
     expected = [
         (p.detach().double(), torch.zeros_like(p.double()), torch.zeros_like(p.double())) for p in params
@@ -348,7 +369,8 @@ def _flat_layout():
     return tensors, layout
 
 
-def test_fragments_of_flat_buffers_step_per_tensor():
+@pytest.mark.parametrize("walk", WALKS)
+def test_fragments_of_flat_buffers_step_per_tensor(walk, walk_of):
     """Each tensor's ratio comes from its whole norms, summed over the fragments, wherever they lie; padding
     never moves. The float64 per-tensor kernel is the reference."""
     tensors, layout = _flat_layout()
@@ -367,6 +389,7 @@ def test_fragments_of_flat_buffers_step_per_tensor():
         for f, (_, pieces, _) in zip(flats, layout)
     ]
     optimizer.set_fragments(fragments, num_tensors=len(order))
+    walk_of(optimizer, walk)
     decay = {name: settings["weight_decay"] for settings, pieces, _ in layout for name, *_ in pieces}
     expected = {n: (t.double(), torch.zeros(t.shape).double(), torch.zeros(t.shape).double())
                 for n, t in tensors.items()}  # fmt: skip
@@ -453,15 +476,15 @@ def test_the_fused_optimizers_build_for_the_base_of_an_arch_specific_cuda_arch(a
             deepspeed_reads(arch_list)
 
 
-@pytest.mark.parametrize("multi", [False, True], ids=["cpu-sweep", "multi-tensor"])
-def test_a_channels_last_weight_steps_as_the_kernel_does(multi):
+@pytest.mark.parametrize("walk", WALKS)
+def test_a_channels_last_weight_steps_as_the_kernel_does(walk, walk_of):
     """A tensor that is not contiguous (a conv weight in channels-last layout) takes the kernel's step too,
     whichever way the step walks memory."""
     g = torch.Generator().manual_seed(3)
     w = nn.Parameter(torch.randn(4, 3, 2, 2, generator=g).to(memory_format=torch.channels_last))
     assert not w.is_contiguous()
     optimizer = Lamb([{"params": [w], "weight_decay": 0.1}], lr=1e-2, betas=BETAS, eps=EPS)
-    optimizer.multi_tensor_on_cpu = multi
+    walk_of(optimizer, walk)
     expected, m, v = w.detach().double(), torch.zeros(w.shape).double(), torch.zeros(w.shape).double()
     for step in (1, 2):
         grad = torch.randn(w.shape, generator=g)
@@ -469,3 +492,89 @@ def test_a_channels_last_weight_steps_as_the_kernel_does(multi):
         optimizer.step()
         expected, m, v, _ = kernel_step(expected, grad, m, v, step, lr=1e-2, weight_decay=0.1)
         assert_matches(w, expected)
+
+
+def _steps_of(walk: str, steps: int = 3, **options) -> tuple[list[torch.Tensor], str]:
+    """A 64 x 96 matrix and a bias stepped ``steps`` times by ``walk``: the weights and moments, and the
+    walk the last step took."""
+    g = torch.Generator().manual_seed(11)
+    params = [nn.Parameter(torch.randn(64, 96, generator=g)), nn.Parameter(torch.randn(96, generator=g))]
+    groups = [{"params": params[:1], "weight_decay": 0.1}, {"params": params[1:]}]
+    optimizer = Lamb(groups, lr=1e-2, **options)
+    optimizer.cpu_walk = walk
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        optimizer.step()
+    moments = [optimizer.state[p][k] for p in params for k in ("exp_avg", "exp_avg_sq")]
+    state = [p.detach() for p in params] + moments
+    return state, optimizer.last_walk
+
+
+def test_the_auto_walk_fuses_a_step_large_enough_to_pay_for_the_compile(monkeypatch):
+    swept, walk = _steps_of("sweep")
+    assert walk == "sweep"
+    monkeypatch.setattr(lamb_fused_cpu, "MIN_ELEMENTS", 64 * 96 + 96 + 1)
+    assert _steps_of("auto")[1] == "sweep"  # one element short
+    monkeypatch.setattr(lamb_fused_cpu, "MIN_ELEMENTS", 64 * 96 + 96)
+    fused, walk = _steps_of("auto")
+    assert walk == "fused"
+    for a, b in zip(fused, swept):  # fp32, the same values up to rounding
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_the_fused_walk_says_why_it_cannot_run():
+    with pytest.raises(ValueError, match="fused CPU step cannot run: eps_inside_sqrt"):
+        _steps_of("fused", eps_inside_sqrt=True)
+    assert _steps_of("auto", eps_inside_sqrt=True)[1] == "sweep"
+
+
+def test_a_failed_compile_steps_by_the_sweep_and_says_so(monkeypatch, caplog):
+    """A machine where inductor cannot compile (here: no C++ compiler it can run) steps by the sweep, with a
+    warning; asked for by name, the fused walk raises instead."""
+    import torch._dynamo
+    import torch._inductor.config as inductor
+
+    monkeypatch.setattr(lamb_fused_cpu, "_compiled", None)
+    monkeypatch.setattr(lamb_fused_cpu, "_unavailable", False)
+    monkeypatch.setattr(lamb_fused_cpu, "MIN_ELEMENTS", 0)
+    torch._dynamo.reset()
+    # inductor's own patch (monkeypatch's undo deletes a config entry); a cached kernel needs no compiler
+    no_compiler = inductor.patch({"cpp.cxx": ("/nonexistent/g++",), "fx_graph_cache": False})
+    try:
+        with no_compiler, pytest.raises(Exception, match="g\\+\\+|compiler|Compiler"):
+            _steps_of("fused", steps=1)
+        swept, _ = _steps_of("sweep")
+        with no_compiler, caplog.at_level("WARNING"):
+            fell_back, walk = _steps_of("auto")
+        assert walk == "sweep" and "failed" in caplog.text and "sweep" in caplog.text
+        for a, b in zip(fell_back, swept):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    finally:
+        torch._dynamo.reset()  # the next test compiles with the real compiler
+
+
+def test_the_fused_walk_compiles_one_graph_for_every_kind_of_tensor():
+    """Matrices, vectors, a conv weight and fragments of a flat buffer share one graph: no recompile when
+    the next tensor has another shape, or in later steps (the trainer logs recompiles; past dynamo's limit
+    under train.compile they raise)."""
+    from eva_fastclip.engine.compiled import compiled_frames
+
+    g = torch.Generator().manual_seed(12)
+    shapes = [(64, 96), (5000,), (16, 3, 16, 16), (96, 64)]
+    params = [nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    flat = nn.Parameter(torch.randn(20000, generator=g))
+    whole = Lamb([{"params": params, "weight_decay": 0.1}], lr=1e-2)
+    split = Lamb([flat], lr=1e-2)
+    split.set_fragments([(flat, [Fragment(0, 0, 7000), Fragment(1, 7001, 9000)])], num_tensors=2)
+    frames = []
+    for _ in range(3):
+        for optimizer in (whole, split):
+            optimizer.cpu_walk = "fused"
+            for p in [*params, flat]:
+                p.grad = torch.randn(p.shape, generator=g)
+            before = compiled_frames()
+            optimizer.step()
+            assert optimizer.last_walk == "fused"
+            frames.append(compiled_frames() - before)
+    assert frames[0] <= 1 and sum(frames[1:]) == 0, frames

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from eva_fastclip.optim import lamb_fused_cpu
 from eva_fastclip.optim.lamb_passes import Fragment, Slot, apply_updates, multi_tensor, sweep_cpu
 from eva_fastclip.optim.step_guard import GuardedStep
 
@@ -52,8 +53,10 @@ class Lamb(GuardedStep, torch.optim.Optimizer):
     DeepSpeed never does (it clips by ``gradient_clipping`` before the step), so it would fail at once.
     """
 
-    #: run CUDA's multi-tensor passes on a CPU too (tests hold both ways of walking memory to one result)
-    multi_tensor_on_cpu = False
+    #: how a CPU walks memory: "auto" (``fused`` for a large enough step, else ``sweep``), ``fused``
+    #: (optim/lamb_fused_cpu.py), ``sweep`` (optim/lamb_passes.py), or ``multi``: CUDA's multi-tensor passes
+    #: (tests hold every way to one result)
+    cpu_walk = "auto"
 
     def __init__(
         self,
@@ -101,6 +104,7 @@ class Lamb(GuardedStep, torch.optim.Optimizer):
         self._fragments: dict[int, tuple[torch.Tensor, list[Fragment]]] | None = None
         self._num_tensors = 0
         self._reduce_over: Any = None  # the process group whose ranks split tensors between them
+        self.last_walk = ""  # how the last step walked memory (cpu_walk's values)
 
     def set_fragments(
         self,
@@ -195,20 +199,17 @@ class Lamb(GuardedStep, torch.optim.Optimizer):
         grad_scale: torch.Tensor | None = None,
     ) -> None:
         """One step of ``items`` (parameter, group, fragments) in a few passes over all of them
-        (optim/lamb_passes.py: a multi-tensor op per pass on CUDA, one cache-sized sweep on a CPU): the
-        moments, ``u`` and the squared norms of every fragment's ``w`` and ``u``; those summed per tensor
+        (a multi-tensor op per pass on CUDA; on a CPU a compiled pass and torch's fused AdamW kernel,
+        optim/lamb_fused_cpu.py, or a cache-sized sweep, optim/lamb_passes.py): the moments, ``u`` and
+        the squared norms of every fragment's ``w`` and ``u``; those summed per tensor
         (all-reduced over ``reduce_over``, the ranks that hold the fragments of a tensor between them)
         into the trust ratios, one vector; then every fragment moved by ``w += -step_size * r * u``.
         Nothing waits for the device: the ratios stay there (:meth:`get_lamb_coeffs` reads them).
         ``grad_scale``: the clip coefficient, which the first pass applies to the gradients."""
         slots = [self._slot(param, group, frags) for param, group, frags in items]
         device = slots[0].w.device
-        multi = device.type != "cpu" or self.multi_tensor_on_cpu
-        if multi:
-            updates, squares = multi_tensor(slots, self.eps_inside_sqrt, grad_scale)
-        else:
-            scale = None if grad_scale is None else float(grad_scale)
-            updates, squares = sweep_cpu(slots, self.eps_inside_sqrt, scale)
+        walk, updates, squares = self._measure(slots, grad_scale)
+        self.last_walk = walk
         index, high, low, stepped = self._tensor_table(items, num_tensors, device)
         # rows: squared norms of w and of u per tensor; float64 so that fragments add up exactly enough
         sums = torch.zeros(2, num_tensors, dtype=torch.float64, device=device)
@@ -223,7 +224,30 @@ class Lamb(GuardedStep, torch.optim.Optimizer):
         ratio = torch.where((weight_norm != 0) & (update_norm != 0), ratio, torch.ones_like(ratio))
         self._last_ratios = (ratio, stepped)  # FusedLamb keeps the last step's coefficients only
         step_sizes = [self._step_size(param, group) for param, group, frags in items for _ in frags]
-        apply_updates(slots, updates, ratio[index], step_sizes, multi)
+        if walk == "fused":
+            lamb_fused_cpu.move(slots, ratio[index], step_sizes, _as_float(grad_scale))
+        else:
+            apply_updates(slots, updates, ratio[index], step_sizes, walk == "multi")
+
+    def _measure(self, slots: list[Slot], grad_scale: torch.Tensor | None) -> tuple[str, Any, torch.Tensor]:
+        """The first pass, the way this device walks memory best (:attr:`cpu_walk`): the way, the
+        updates ``u`` where it writes them (the fused CPU step recomputes them in its kernel), and the
+        squared norms of every fragment's ``w`` and ``u``."""
+        if slots[0].w.device.type != "cpu" or self.cpu_walk == "multi":
+            return "multi", *multi_tensor(slots, self.eps_inside_sqrt, grad_scale)
+        scale = _as_float(grad_scale)
+        if self.cpu_walk == "fused":  # asked for by name: it runs, or says why not
+            reason = lamb_fused_cpu.unusable(slots, self.eps_inside_sqrt)
+            if reason is not None:
+                raise ValueError(f"Lamb's fused CPU step cannot run: {reason}")
+            return "fused", None, lamb_fused_cpu.squared_norms(slots, scale)
+        auto = self.cpu_walk == "auto" and lamb_fused_cpu.large_enough(slots)
+        if auto and lamb_fused_cpu.unusable(slots, self.eps_inside_sqrt) is None:
+            try:
+                return "fused", None, lamb_fused_cpu.squared_norms(slots, scale)
+            except Exception as error:  # noqa: BLE001  (inductor's many failures: no compiler, a build)
+                lamb_fused_cpu.give_up(error)
+        return "sweep", *sweep_cpu(slots, self.eps_inside_sqrt, scale)
 
     def _slot(self, param: torch.Tensor, group: dict[str, Any], frags: list[Fragment]) -> Slot:
         """``param``'s arrays for this step, its step count advanced."""
@@ -271,6 +295,10 @@ class Lamb(GuardedStep, torch.optim.Optimizer):
             table = (index, high, low, index.unique())
             self._tables = {"key": key, "table": tuple(t.to(device) for t in table)}
         return self._tables["table"]
+
+
+def _as_float(grad_scale: torch.Tensor | None) -> float | None:
+    return None if grad_scale is None else float(grad_scale)
 
 
 def attach_zero_partitions(optimizer: Lamb, tensors: Sequence[torch.Tensor]) -> bool:
