@@ -169,6 +169,7 @@ def test_a_run_measures_its_wait_on_data(tmp_path, caplog, sleep):
             f"train.output_dir={tmp_path}",
             "train.steps=4",
             "train.log_every_steps=2",
+            "train.precision=fp32",  # on every CPU kind
             "data.workers=2",
             "optim.warmup_steps=1",
             "eval.zeroshot_dir=null",

@@ -14,4 +14,5 @@ def toy_overrides(toy: Path, out: Path, global_batch: int = 64) -> list[str]:
         "train.batch_size=null",
         f"train.global_batch={global_batch}",
         f"train.output_dir={out}",
+        "train.precision=fp32",  # auto is bf16 on a CPU that computes it: the memory model was fitted in fp32
     ]

@@ -105,6 +105,8 @@ def run(tmp_path_factory, rank_pool):
         "configs/toy.json",
         *(arg for item in evaluation for arg in ("--set", item)),
         "--set",
+        "train.precision=fp32",  # on every CPU kind: auto would be bf16 where the CPU computes it
+        "--set",
         "eval.every_steps=20",
         "--set",
         f'data.train_shards=["{data / "train"}"]',

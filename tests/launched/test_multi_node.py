@@ -148,6 +148,7 @@ def two_node_run(ssh, tmp: Path, **train) -> dict[str, str]:
         deepspeed_config=str(REPO / "ds_configs" / "zero1_lamb.json"),
         batch_size=8,
         log_every_steps=1,
+        precision="fp32",  # on every CPU kind: auto would be bf16 where the CPU computes it
         **train,
     )
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
