@@ -8,9 +8,9 @@ applies a non-finite step. Here the optimizer does both itself, in two passes ov
 1. the global norm: one multi-tensor norm (a norm per tensor) and the norm of those, on the device (on a
    CPU a dot product per tensor, twice as fast there);
 2. the clip: every gradient times min(1, max_norm / (norm + 1e-6)) (DeepSpeed's and torch's coefficient),
-   a device scalar the optimizer applies: one multi-tensor multiply (our LAMB on a GPU), chunk by chunk in
-   its one sweep (our LAMB on a CPU: optim/lamb_passes.py), or as fused AdamW's ``grad_scale`` (no pass
-   of its own).
+   a device scalar the optimizer applies: one multi-tensor multiply (our LAMB on a GPU), inside its
+   passes (our LAMB on a CPU: optim/lamb_fused_cpu.py, optim/lamb_passes.py), or as fused AdamW's
+   ``grad_scale`` (no pass of its own).
 
 A step whose norm is not finite is not taken: ``overflow`` is True, as DeepSpeed's wrappers report a
 skipped step, so ``engine.was_step_applied()`` is False, the schedule does not advance and the trainer's
