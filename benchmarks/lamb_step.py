@@ -1,10 +1,16 @@
-"""LAMB optimizer step time: trust ratio per tensor against per ZeRO partition (and FusedLamb).
+"""LAMB optimizer step time: trust ratio per tensor against per ZeRO partition (and FusedLamb); at ZeRO-0,
+each way our LAMB walks memory against OpenCLIP's AdamW.
 
-The time of one LAMB optimizer step with the trust ratio per model tensor (ours, optim/lamb.py), per flat
-ZeRO partition (DeepSpeed's rule, eva_fastclip's before), and DeepSpeed's FusedLamb (per partition, its
-CUDA kernel) where CUDA is present.
+``--layout zero1`` (the default): the time of one LAMB optimizer step with the trust ratio per model tensor
+(ours, optim/lamb.py), per flat ZeRO partition (DeepSpeed's rule, eva_fastclip's before), and DeepSpeed's
+FusedLamb (per partition, its CUDA kernel) where CUDA is present.
 
-    python -m benchmarks.lamb_step [--width 768] [--layers 12] [--rounds 7] [--device cuda]
+``--layout zero0``: the model's own tensors in one call, as ZeRO-0 hands them to our optimizer: our LAMB by
+each way it walks memory on this device (``Lamb.cpu_walk``: the fused CPU step, the cache-sized sweep; the
+multi-tensor passes), against ``torch.optim.AdamW`` with OpenCLIP's settings and PyTorch's default
+implementation (what open_clip_train steps) and fused (our AdamW).
+
+    python -m benchmarks.lamb_step [--layout zero0] [--width 768] [--layers 12] [--rounds 7] [--device cuda]
 
 The parameters have a ViT-B/16 vision tower's shapes (86M by default), grouped as EVA-CLIP groups them (one
 group per layer and decay or not, engine/setup.py) and flattened as ZeRO-1 lays a group out on one rank:
@@ -34,6 +40,10 @@ from eva_fastclip.optim.lamb import Fragment, Lamb
 from eva_fastclip.plan.precision import cpu_model
 
 PER_PARTITION, PER_TENSOR, FUSED = "per_zero_partition", "per_tensor", "fused_lamb"
+#: ZeRO-0's contestants: our LAMB by each walk, and AdamW as open_clip_train runs it (PyTorch's default
+#: implementation: foreach on CUDA, a loop over tensors on a CPU) and fused (ours)
+LAMB_WALKS = {"lamb_fused_cpu": "fused", "lamb_sweep": "sweep", "lamb_multi_tensor": "multi"}
+OPENCLIP_ADAMW, FUSED_ADAMW = "openclip_adamw", "adamw_fused"
 
 
 def vit_tensors(width: int = 768, layers: int = 12, patch: int = 16, image: int = 224) -> list[dict]:
@@ -89,26 +99,41 @@ def run_lamb_benchmark(
     rounds: int = 5,
     device: str | None = None,
     output: str | Path | None = None,
+    layout: str = "zero1",
 ) -> dict[str, Any]:
     """Time ``rounds`` steps of every contestant (after one untimed step each) and write the results."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tensors = vit_tensors(width, layers)
-    groups = flat_groups(tensors)
     g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(group["size"], generator=g).mul_(0.02).to(device) for group in groups]
-    grads = [torch.randn(group["size"], generator=g).mul_(1e-3).to(device) for group in groups]
-    names = [PER_PARTITION, PER_TENSOR] + ([FUSED] if device.type == "cuda" else [])
-    contestants = {name: _contestant(name, weights, grads, groups, len(tensors)) for name in names}
+    if layout == "zero0":
+        shapes = [t["shape"] for t in tensors]
+        weights = [torch.randn(s, generator=g).mul_(0.02).to(device) for s in shapes]
+        grads = [torch.randn(s, generator=g).mul_(1e-3).to(device) for s in shapes]
+        names = _zero0_names(device)
+        contestants = {name: _zero0_contestant(name, weights, grads, tensors) for name in names}
+        baseline_name, groups, what = OPENCLIP_ADAMW, [], "one optimizer step over a ViT's tensors (ZeRO-0)"
+    else:
+        groups = flat_groups(tensors)
+        weights = [torch.randn(group["size"], generator=g).mul_(0.02).to(device) for group in groups]
+        grads = [torch.randn(group["size"], generator=g).mul_(1e-3).to(device) for group in groups]
+        names = [PER_PARTITION, PER_TENSOR] + ([FUSED] if device.type == "cuda" else [])
+        contestants = {name: _contestant(name, weights, grads, groups, len(tensors)) for name in names}
+        baseline_name, what = (
+            PER_PARTITION,
+            "one LAMB optimizer step over a ViT's flat ZeRO-1 groups on one rank",
+        )
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(rounds + 1):
         for name in names if round_ % 2 == 0 else reversed(names):
-            seconds = _timed_step(contestants[name], device)
-            if round_ > 0:  # the first step allocates the moments
+            seconds = _timed_step(contestants[name], device, per_group=layout != "zero0")
+            if round_ > 0:  # the first step allocates the moments (and compiles the fused CPU step)
                 times[name].append(seconds)
-    baseline = min(times[PER_PARTITION])
+    baseline = min(times[baseline_name])
     results = {
-        "what": "one LAMB optimizer step over a ViT's flat ZeRO-1 groups on one rank",
-        "params": sum(group["size"] for group in groups),
+        "what": what,
+        "layout": layout,
+        "baseline": baseline_name,
+        "params": sum(w.numel() for w in weights),
         "tensors": len(tensors),
         "groups": len(groups),
         "width": width,
@@ -123,7 +148,7 @@ def run_lamb_benchmark(
                 "step_times_s": times[name],
                 "fastest_s": min(times[name]),
                 "median_s": statistics.median(times[name]),
-                "fastest_vs_per_zero_partition": min(times[name]) / baseline,
+                "fastest_vs_baseline": min(times[name]) / baseline,
             }
             for name in names
         },
@@ -140,11 +165,11 @@ def format_lamb_report(results: dict[str, Any]) -> str:
         f"{results['what']}: {results['params'] / 1e6:.1f}M parameters, {results['tensors']} tensors, "
         f"{results['groups']} groups; {results['device']}, {results['threads']} threads, torch "
         f"{results['torch']}, {results['date']}",
-        f"{'trust ratio':<20} {'fastest s':>10} {'median s':>10} {'fastest / per partition':>24}",
+        f"{'contestant':<20} {'fastest s':>10} {'median s':>10} {'fastest / ' + results['baseline']:>30}",
     ]
     for name, r in results["contestants"].items():
-        ratio = r["fastest_vs_per_zero_partition"]
-        lines.append(f"{name:<20} {r['fastest_s']:>10.4f} {r['median_s']:>10.4f} {ratio:>24.3f}")
+        ratio = r["fastest_vs_baseline"]
+        lines.append(f"{name:<20} {r['fastest_s']:>10.4f} {r['median_s']:>10.4f} {ratio:>30.3f}")
     return "\n".join(lines)
 
 
@@ -163,10 +188,37 @@ def _contestant(name, weights, grads, groups, num_tensors) -> torch.optim.Optimi
     return optimizer
 
 
-def _timed_step(optimizer: torch.optim.Optimizer, device: torch.device) -> float:
+def _zero0_names(device: torch.device) -> list[str]:
+    walks = ["lamb_multi_tensor"] if device.type == "cuda" else ["lamb_fused_cpu", "lamb_sweep"]
+    return [*walks, OPENCLIP_ADAMW, FUSED_ADAMW]
+
+
+def _zero0_contestant(name, weights, grads, tensors) -> torch.optim.Optimizer:
+    """One optimizer over copies of the model's tensors, decayed as OpenCLIP decays them (matrices)."""
+    from benchmarks.step_contestants import OPENCLIP_BETAS, OPENCLIP_EPS, OPENCLIP_LR, OPENCLIP_WD
+
+    params = [torch.nn.Parameter(w.clone()) for w in weights]
+    for param, grad in zip(params, grads):
+        param.grad = grad  # shared by every contestant: read only
+    decayed = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": OPENCLIP_WD},
+               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]  # fmt: skip
+    settings = dict(lr=OPENCLIP_LR, betas=OPENCLIP_BETAS, eps=OPENCLIP_EPS)
+    if name in LAMB_WALKS:
+        optimizer = Lamb(decayed, **settings)
+        optimizer.cpu_walk = LAMB_WALKS[name]
+        return optimizer
+    return torch.optim.AdamW(decayed, fused=name == FUSED_ADAMW or None, **settings)
+
+
+def _timed_step(optimizer: torch.optim.Optimizer, device: torch.device, per_group: bool = True) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
+    if not per_group:  # ZeRO-0: the model's tensors in one call
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
     groups = optimizer.param_groups
     try:  # one call per group, as DeepSpeed's ZeRO-1/2 step their inner optimizer
         for group in groups:
@@ -185,6 +237,9 @@ def _device_name(device: torch.device) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.lamb_step", description=__doc__.splitlines()[0])
+    p.add_argument("--layout", choices=("zero1", "zero0"), default="zero1",
+                   help="zero1: flat groups, per tensor against per partition; zero0: the model's tensors, "
+                   "our LAMB's walks against OpenCLIP's AdamW")  # fmt: skip
     p.add_argument("--width", type=int, default=768, help="ViT width of the parameter set (ViT-B/16: 768)")
     p.add_argument("--layers", type=int, default=12, help="ViT blocks of the parameter set")
     p.add_argument("--rounds", type=int, default=7, help="timed steps of each contestant, alternating")
@@ -196,7 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     def run(args) -> int:
         results = run_lamb_benchmark(
-            width=args.width, layers=args.layers, rounds=args.rounds, device=args.device, output=args.output
+            width=args.width,
+            layers=args.layers,
+            rounds=args.rounds,
+            device=args.device,
+            output=args.output,
+            layout=args.layout,
         )
         print(format_lamb_report(results), flush=True)
         print(f"full results: {results['output']}", flush=True)

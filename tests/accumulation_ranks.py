@@ -87,7 +87,12 @@ def run(trainer: Trainer, steps, order=tuple(range(ACCUM)), micro_batches=None) 
                 assert metrics["step_applied"] == 1.0
     state = trainer.loss.state
     weights = {k: v.detach().clone() for k, v in trainer.engine.module.state_dict().items()}
-    return {"weights": weights, "lo": state.lo, "table": state.values.clone()}
+    return {
+        "weights": weights,
+        "lo": state.lo,
+        "table": state.values.clone(),
+        "threads": torch.get_num_threads(),  # the summation order of the model's matrix products
+    }
 
 
 def two_ranks(out: Path) -> None:

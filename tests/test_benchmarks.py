@@ -84,6 +84,12 @@ def test_lamb_benchmark_times_both_trust_ratio_rules(tmp_path):
     assert all(len(r["step_times_s"]) == 2 for r in results["contestants"].values())
     assert results["params"] == sum(g["size"] for g in groups)
     assert "per_tensor" in format_lamb_report(results)
+    # ZeRO-0: the model's tensors, each walk of our LAMB on a CPU against OpenCLIP's AdamW
+    zero0 = run_lamb_benchmark(width=32, layers=2, rounds=1, device="cpu", layout="zero0")
+    assert list(zero0["contestants"]) == ["lamb_fused_cpu", "lamb_sweep", "openclip_adamw", "adamw_fused"]
+    assert zero0["baseline"] == "openclip_adamw" and zero0["params"] == results["params"] - sum(
+        g["size"] - sum(f.length for f in g["fragments"]) for g in groups
+    )  # the same tensors, without the flat groups' padding
 
 
 def test_accumulation_benchmark_runs_every_side_on_the_same_batch(tmp_path):

@@ -27,7 +27,14 @@ def test_two_ranks_take_the_step_of_one_rank_with_the_same_contrastive_batch(two
     the same weights, temperature and per-sample state after two steps (the second reads the first's u and
     tau_i, with gamma < 1). The 2-rank weights are the same on both ranks (one optimizer step of the average
     gradient)."""
-    one = layouts.run(layouts.make_trainer(tmp_path, loss, layouts.POOL), layouts.step_pairs())
     ranks = two_ranks[loss]
+    # the reference on as many threads as a rank had (the cores split between the ranks): the same summation
+    # order in the matrix products, whether pytest runs alone (every core) or as a worker of make test (one)
+    before = torch.get_num_threads()
+    torch.set_num_threads(ranks[0]["threads"])
+    try:
+        one = layouts.run(layouts.make_trainer(tmp_path, loss, layouts.POOL), layouts.step_pairs())
+    finally:
+        torch.set_num_threads(before)
     layouts.assert_same_step(ranks[0], one, table=whole_table(ranks))
     layouts.assert_same_step(ranks[1], one, table=whole_table(ranks))
