@@ -165,6 +165,9 @@ class Launch:
         if overrides and record["code"] != code:
             log(f"the runner ended with {code} ({cause(code)}); the run itself with {record['code']}")
             code = record["code"]
+        if code != 0:  # what the run said of its end (the ranks' own output may be lost with pdsh)
+            said = f"{record['code']}: {record.get('detail') or 'no detail'}" if record else "none written"
+            log(f"the run's own record of its exit: {said}")
         return Ended(code, bool(self.stops.signals))
 
     def _wait_for_the_rest(self) -> None:
