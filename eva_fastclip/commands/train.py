@@ -69,7 +69,7 @@ def train(cfg, ds: dict, resume: str | None) -> int:
     from pathlib import Path
 
     from eva_fastclip.data.workers import fork_worker_server
-    from eva_fastclip.reliability.preemption import outlive_closed_output
+    from eva_fastclip.reliability.preemption import exiting_now, outlive_closed_output
     from eva_fastclip.reliability.run_lock import RunLock
     from eva_fastclip.reliability.signals import STOP_SIGNALS
 
@@ -80,7 +80,8 @@ def train(cfg, ds: dict, resume: str | None) -> int:
     code, detail = 1, "an unexpected error"
     handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}  # a preempted run ignores them
     try:
-        code, detail = _train_held(cfg, ds, resume, lock)
+        with exiting_now(lock.release):  # a second signal's exit at once records it too
+            code, detail = _train_held(cfg, ds, resume, lock)
         return code
     except RunFailed as err:  # exit code 1, the traceback on stderr: a failure the supervisor retries
         detail = str(err)

@@ -17,7 +17,9 @@ scheduler or a restart loop runs the same command again with ``--resume latest``
   gone, or no longer the child of the process that started it, is a preemption too.
 - A second signal more than :data:`SAME_REQUEST_S` after the first (a launcher's SIGINT and then SIGTERM are
   one request) exits at once with the same code: the last complete checkpoint is intact, since a checkpoint
-  is complete only once its marker is written, last (checkpointing/checkpoint.py).
+  is complete only once its marker is written, last (checkpointing/checkpoint.py). The hooks of
+  :func:`exiting_now` run first: the run lock records the exit, which the launch supervisor returns (on
+  several nodes DeepSpeed's runner itself ends with 1).
 - A rank outlives its output: on several nodes the runner stops pdsh first, which closes every remote
   rank's stdout and stderr (the ssh session) before ``launch.py`` passes the SIGTERM on. The next write
   would raise BrokenPipeError out of a progress bar and end the rank without its save, so the rank's
@@ -28,6 +30,7 @@ scheduler or a restart loop runs the same command again with ``--resume latest``
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import logging
@@ -37,6 +40,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -196,13 +200,32 @@ class Preemption:
             self._first_at = now
             self._request(name)
         elif now - self._first_at > SAME_REQUEST_S:
-            os.write(2, f"{name} again: stopping now; the last complete checkpoint is intact\n".encode())
+            said = f"{name} again: stopping now; the last complete checkpoint is intact"
+            os.write(2, f"{said}\n".encode())
+            for hook in list(_exit_now_hooks):
+                with contextlib.suppress(Exception):  # nothing may keep the process from ending
+                    hook(PREEMPTED_EXIT_CODE, said)
             os._exit(PREEMPTED_EXIT_CODE)
 
     def _request(self, what: str) -> None:
         if self.requested is None:
             self.requested = what
             log.warning("%s: a checkpoint at the end of this optimizer step, then the run stops", what)
+
+
+#: called with (exit code, detail) before a second signal ends the process at once (:func:`exiting_now`)
+_exit_now_hooks: list[Callable[[int, str], None]] = []
+
+
+@contextlib.contextmanager
+def exiting_now(hook: Callable[[int, str], None]) -> Iterator[None]:
+    """Within the block, ``hook(code, detail)`` runs before a second signal ends the process with
+    ``os._exit`` (no ``finally`` runs then): the run lock's release, which records the exit code."""
+    _exit_now_hooks.append(hook)
+    try:
+        yield
+    finally:
+        _exit_now_hooks.remove(hook)
 
 
 def _ignore(signum, frame) -> None:

@@ -27,6 +27,7 @@ from launching import REPO, Launch, all_gone, cmdline, run_ranks, wait_for_step
 from eva_fastclip.checkpointing import checkpoint
 from eva_fastclip.export import consolidated_state_dict
 from eva_fastclip.reliability.preemption import PREEMPTED_EXIT_CODE
+from eva_fastclip.reliability.run_lock import read_exit, read_holder
 
 SINGLE_NODE = REPO / "launchers" / "single_node.sh"
 
@@ -118,7 +119,8 @@ def test_the_preempt_signal_to_one_rank(toy_data, rank_pool, tmp_path):
 def test_a_second_signal_stops_at_once_with_the_last_checkpoint_intact(toy_data, rank_pool, tmp_path):
     """Rank 1 stopped (SIGSTOP), so rank 0 cannot reach the step boundary: SIGTERM asks rank 0 to stop,
     and a second SIGTERM 3 s later ends it at once although it waits inside a collective; the last
-    complete checkpoint (scheduled, step 4) stays the one to resume."""
+    complete checkpoint (scheduled, step 4) stays the one to resume. Rank 0 records that exit (75) and
+    gives the folder up first: on several nodes the launch supervisor has only that record to return."""
     out = tmp_path / "run"
     args = fault_args(toy_data, out, "train.save_every_steps=4")
     # rank 1, let go after rank 0 is gone, may wait in a collective or for its step boundary: the supervisor
@@ -147,3 +149,6 @@ def test_a_second_signal_stops_at_once_with_the_last_checkpoint_intact(toy_data,
     assert last_complete(out) == 4
     assert checkpoint.resolve_resume("latest", out / "checkpoints").name == checkpoint.tag_for_step(4)
     assert "SIGTERM again: stopping now; the last complete checkpoint is intact" in run.output()
+    record = read_exit(out)
+    assert record["code"] == PREEMPTED_EXIT_CODE and "SIGTERM again: stopping now" in record["detail"], record
+    assert read_holder(out) is None  # the lock given up
