@@ -39,6 +39,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from eva_fastclip.checkpointing import checkpoint
 from eva_fastclip.data import write_toy_dataset
 from eva_fastclip.export import consolidated_state_dict
+from eva_fastclip.reliability.run_lock import read_exit
 
 pytestmark = pytest.mark.launcher
 
@@ -327,6 +328,7 @@ def sigterm_run(ssh, rank_pool, tmp_path_factory):
     run.proc.send_signal(signal.SIGUSR1)  # the batch shell only (B:)
     code = run.wait(timeout=300)
     returned = time.monotonic() - signalled
+    record = read_exit(run.out)  # what the run recorded of its end (the resume below writes its own)
     ranks_left = [(p.pid, cmdline(p)[-4:]) for p in still_running(ranks, timeout=0)]
     left = [(p.pid, cmdline(p)[-4:]) for p in still_running([*processes, *job], timeout=0)]
     for leftover in [*processes, *job]:  # the scheduler's SIGKILL, the moment the script returned
@@ -351,6 +353,7 @@ def sigterm_run(ssh, rank_pool, tmp_path_factory):
         "logs": (two_nodes, one_node),
         "logins": logins,
         "code": code,
+        "record": record,
         "ranks_left": ranks_left,
         "left": left,
         "returned": returned,
@@ -373,7 +376,7 @@ def test_the_slurm_job_returns_75_after_the_step_in_flight_is_saved_on_both_node
         f"{sigterm_run['code']} {sigterm_run['returned']:.1f} s after the signal; then SIGKILL to "
         f"{len(sigterm_run['left'])} process(es) still exiting: {sigterm_run['left']}"
     )
-    assert sigterm_run["code"] == 75, sigterm_run["logs"][0][-4000:]
+    assert sigterm_run["code"] == 75, (sigterm_run["record"], sigterm_run["logs"][0][-4000:])
     assert not sigterm_run["ranks_left"], f"ranks alive when the script returned: {sigterm_run['ranks_left']}"
     # the ranks' output ends with pdsh, before the save: the checkpoint tells (scheduled ones every 3 steps)
     assert saved == logged, sigterm_run["logs"][0][-4000:]  # the step in flight was saved: nothing lost
