@@ -6,6 +6,7 @@ chosen; a fresh run on a remote folder with checkpoints is refused before it sta
 
 import contextlib
 import json
+import multiprocessing
 import os
 import shutil
 import signal
@@ -30,7 +31,10 @@ from eva_fastclip.reliability.run_lock import FolderHeld
 
 @pytest.fixture(scope="module")
 def s3():
+    import boto3
+
     server = start_s3()
+    boto3.client("s3", endpoint_url=server.endpoint).create_bucket(Bucket=BUCKET)  # every test's
     yield server
     server.stop()
 
@@ -70,9 +74,6 @@ def weights(trainer) -> dict[str, torch.Tensor]:
 
 
 def test_a_fresh_node_resumes_from_the_remote_as_the_run_goes_on(s3, tmp_path):
-    import boto3
-
-    boto3.client("s3", endpoint_url=s3.endpoint).create_bucket(Bucket=BUCKET)
     remote = f"s3://{BUCKET}/runs/a"
     whole = run(tmp_path / "whole", remote=None)
     stopped = run(tmp_path / "node-1", remote=remote, stop=3).step  # preempted: saved and copied first
@@ -162,3 +163,40 @@ def test_one_run_per_remote_folder(s3, monkeypatch, caplog):
     remote_lock.give_up(remote)
     fs.invalidate_cache()
     assert not fs.exists(f"{root}/run.lock")
+
+
+def test_of_two_runs_taking_a_remote_folder_at_once_one_holds_it(s3, monkeypatch):
+    """Two processes take one free remote folder at the same moment (a barrier; each its own S3 client, as
+    two nodes): the lock is created only where none is (S3's If-None-Match), so one holds it and the other,
+    watching a count that moves, stops naming it. Without the conditional create both wrote the lock and
+    both went on."""
+    monkeypatch.setattr(remote_lock, "WATCH_S", 1.5)
+    monkeypatch.setattr(remote_lock, "HEARTBEAT_S", 0.3)
+    remote = f"s3://{BUCKET}/runs/race"
+    context = multiprocessing.get_context("spawn")
+    start, results = context.Barrier(2), context.Queue()
+    racers = [context.Process(target=_take, args=(remote, start, results)) for _ in range(2)]
+    for racer in racers:
+        racer.start()
+    outcomes = sorted(results.get(timeout=120) for _ in racers)
+    for racer in racers:
+        racer.join(timeout=30)
+    print(f"two runs at once: {outcomes}")
+    assert [o.split(":")[0] for o in outcomes] == ["held", "refused"], outcomes
+    assert "is held by a live run" in outcomes[1]
+
+
+def _take(remote: str, start, results) -> None:
+    """One racer (a spawned process): take ``remote`` the moment both are ready, hold it 2.5 s (beating)."""
+    from eva_fastclip.reliability import remote_lock as lock
+
+    lock.WATCH_S, lock.HEARTBEAT_S = 1.5, 0.3  # (a spawned process imports the module afresh)
+    start.wait()
+    try:
+        lock.hold(remote)
+    except FolderHeld as err:
+        results.put(f"refused: {err}")
+        return
+    results.put("held")
+    time.sleep(2.5)  # the other's watch (1.5 s) sees the count move
+    lock.give_up(remote)

@@ -9,8 +9,12 @@ step 1 with one line naming it (exit code 2); a count that stands still is a dea
 its lock is taken over, logged. No clock of another host is compared. The lock goes at the run's end
 (the copies done), and at the process's exit otherwise.
 
-An object store has no atomic create that every client speaks: two runs starting within one watch of each
-other can both take the lock. The run lock of a shared output folder has no such window.
+The lock is only ever created where none is (S3's conditional PUT, ``If-None-Match: *``; other stores as
+fsspec's ``pipe_file(mode="create")`` does it): of two runs that start at once, one creates it and the other
+watches it. A takeover reads the dead run's lock back just before it removes it and creates its own, so
+two runs taking over one dead lock both watch it for the full watch and one of them creates the new lock;
+the window left is between that read and the removal (one request), where the slower run could remove the
+faster one's new lock. The run lock of a shared output folder has no such window.
 """
 
 from __future__ import annotations
@@ -49,9 +53,20 @@ class RemoteLock:
     def acquire(self) -> None:
         """Take the folder (a dead run's lock taken over, logged); FolderHeld where a live run holds it."""
         found = self._read()
-        if found is not None:
-            self._watch(found)
-        self._write()
+        while True:
+            if found is not None:
+                self._watch(found)  # FolderHeld where its count moves
+                now = self._read()
+                if now is not None and _state(now) != _state(found):  # another run took it meanwhile
+                    found = now
+                    continue
+                if now is not None:
+                    self.fs.rm_file(self.path)
+            try:
+                self._write(create=True)
+                break
+            except FileExistsError:  # another run created one since this one looked: watch that
+                found = self._read() or {}
         threading.Thread(target=self._beat, name="remote-run-lock", daemon=True).start()
         _held[self.remote_dir] = self
         atexit.register(self.release)
@@ -77,7 +92,7 @@ class RemoteLock:
             now = self._read()
             if now is None:  # given up meanwhile: the run ended
                 return
-            if _identity(now) != _identity(found) or now.get("beat") != found.get("beat"):
+            if _state(now) != _state(found):
                 holder = f"host {now.get('host')}, pid {now.get('pid')}"
                 raise FolderHeld(
                     f"train.remote_dir {self.remote_dir} is held by a live run ({holder}; "
@@ -109,12 +124,19 @@ class RemoteLock:
         except ValueError:  # unreadable: a dead run's half-written lock
             return {}
 
-    def _write(self) -> None:
-        self.fs.pipe_file(self.path, json.dumps(self.record).encode())
+    def _write(self, create: bool = False) -> None:
+        """The lock written: ``create`` only where none is (FileExistsError where one is)."""
+        mode = "create" if create else "overwrite"
+        self.fs.pipe_file(self.path, json.dumps(self.record).encode(), mode=mode)
 
 
 def _identity(record: dict) -> tuple:
     return record.get("host"), record.get("pid"), record.get("started")
+
+
+def _state(record: dict) -> tuple:
+    """A lock's holder and beat count: what a watch compares."""
+    return *_identity(record), record.get("beat")
 
 
 def hold(remote_dir: str) -> None:
