@@ -140,7 +140,7 @@ def move(slots: list[Slot], ratios: torch.Tensor, step_sizes: list[float], grad_
     dtype = slots[0].w.dtype
     inv_scale = None
     if grad_scale is not None and dtype == torch.float32:
-        inv_scale = torch.tensor(1.0 / grad_scale, dtype=torch.float32)  # the kernel reads a float32 scale
+        inv_scale = torch.tensor(_inverse_scale(grad_scale, dtype), dtype=torch.float32)  # the kernel's
     elif grad_scale is not None:  # float64: the kernel's float32 scale would round the clip; scale first
         for slot in slots:
             slot.g.mul_(grad_scale)

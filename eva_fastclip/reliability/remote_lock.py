@@ -11,10 +11,10 @@ its lock is taken over, logged. No clock of another host is compared. The lock g
 
 The lock is only ever created where none is (S3's conditional PUT, ``If-None-Match: *``; other stores as
 fsspec's ``pipe_file(mode="create")`` does it): of two runs that start at once, one creates it and the other
-watches it. A takeover reads the dead run's lock back just before it removes it and creates its own, so
-two runs taking over one dead lock both watch it for the full watch and one of them creates the new lock;
-the window left is between that read and the removal (one request), where the slower run could remove the
-faster one's new lock. The run lock of a shared output folder has no such window.
+watches it. A takeover removes the dead run's lock right after its watch's last read of it and creates its
+own, so two runs taking over one dead lock both watch it for the full watch and one of them creates the
+new lock; the window left is between that read and the removal (one request), where the slower run could
+remove the faster one's new lock. The run lock of a shared output folder has no such window.
 """
 
 from __future__ import annotations
@@ -54,14 +54,8 @@ class RemoteLock:
         """Take the folder (a dead run's lock taken over, logged); FolderHeld where a live run holds it."""
         found = self._read()
         while True:
-            if found is not None:
-                self._watch(found)  # FolderHeld where its count moves
-                now = self._read()
-                if now is not None and _state(now) != _state(found):  # another run took it meanwhile
-                    found = now
-                    continue
-                if now is not None:
-                    self.fs.rm_file(self.path)
+            if found is not None and self._watch(found):  # FolderHeld where its count moves
+                self.fs.rm_file(self.path)  # a dead run's, as the watch's last read found it
             try:
                 self._write(create=True)
                 break
@@ -85,13 +79,15 @@ class RemoteLock:
             except Exception as err:  # noqa: BLE001 (a lock left behind is taken over after a watch)
                 log.warning("%s: the run lock could not be removed (%s)", self.path, err)
 
-    def _watch(self, found: dict) -> None:
+    def _watch(self, found: dict) -> bool:
+        """Watch ``found`` for :data:`WATCH_S`: FolderHeld where its count moves, False where it is given up
+        meanwhile, True where it stood still (a dead run's, still there at the last read)."""
         deadline = time.monotonic() + WATCH_S
         while time.monotonic() < deadline:
             time.sleep(min(5.0, WATCH_S / 5))
             now = self._read()
             if now is None:  # given up meanwhile: the run ended
-                return
+                return False
             if _state(now) != _state(found):
                 holder = f"host {now.get('host')}, pid {now.get('pid')}"
                 raise FolderHeld(
@@ -103,6 +99,7 @@ class RemoteLock:
             "taking over %s/%s from the run that held it (host %s, pid %s): no beat in %.0f s",
             self.remote_dir, LOCK_FILE, found.get("host"), found.get("pid"), WATCH_S,
         )  # fmt: skip
+        return True
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
